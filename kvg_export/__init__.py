@@ -1,0 +1,9 @@
+"""kvg-export's PyTorch side: gated key/value/gate caches and the FoX model family."""
+
+from kvg_export.cache import DynamicCache, GatedCache, StaticCache
+from kvg_export.cache_layers import DynamicLayer, GatedLayer, StaticLayer
+from kvg_export.pytree import register_cache_pytrees
+
+register_cache_pytrees()
+
+__all__ = ["DynamicCache", "DynamicLayer", "GatedCache", "GatedLayer", "StaticCache", "StaticLayer"]

@@ -1,0 +1,1 @@
+"""The torch-free onnxruntime runtime that serves kvg-export artifacts."""
