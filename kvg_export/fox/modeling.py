@@ -1,0 +1,323 @@
+"""The FoX decoder for transformers: official module and parameter names, gated caches, pure PyTorch.
+
+Beyond the official implementation: GQA (`num_kv_heads`), left-padded batches in prefill and decode
+(padding is masked from attention and zeroed before the token shift), chunked prefill that reads the
+cached shift state, and no Triton.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+from kvg_export.cache import DynamicCache, GatedCache, StaticCache
+from kvg_export.cache_layers import SHIFT_FIELDS
+from kvg_export.fox.attention import forgetting_attention
+from kvg_export.fox.configuration import FoxConfig
+from kvg_export.fox.layers import QK_NORM_EPS, GatedMLP, HeadRMSNorm, RMSNorm, ShiftLinear, rotate
+
+
+def decay_time_bias(heads: int, decay_time_min: float, decay_time_max: float) -> torch.Tensor:
+    """Forget-gate biases b_h with sigmoid(b_h) = exp(-1/T_h), decay times T_h log-spaced in [min, max]."""
+    times = torch.exp(torch.linspace(math.log(decay_time_min), math.log(decay_time_max), heads, dtype=torch.float64))
+    return (-torch.log(torch.expm1(1.0 / times))).float()
+
+
+class ForgettingAttention(nn.Module):
+    def __init__(self, config: FoxConfig, layer_idx: int):
+        super().__init__()
+        self.config, self.layer_idx = config, layer_idx
+        hidden, heads, kv_heads, head_dim = config.hidden_size, config.num_heads, config.kv_heads, config.head_dim
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
+        self.k_proj = self._kv_projection(config.use_k_shift)
+        self.v_proj = self._kv_projection(config.use_v_shift)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        if config.fgate_type == "full":
+            self.fgate_proj = nn.Linear(hidden, heads, bias=True)
+        elif config.fgate_type == "bias_only":
+            self.fgate_bias = nn.Parameter(torch.zeros(heads))
+        elif config.fgate_type == "fixed":
+            self.register_buffer("fgate_bias", torch.zeros(heads))
+        if config.use_output_gate:
+            self.ogate_proj = nn.Linear(hidden, heads * head_dim, bias=False)
+            self.ogate_act = torch.sigmoid if config.ogate_act == "sigmoid" else F.silu
+        if config.use_output_norm:
+            self.output_norm = HeadRMSNorm(heads, head_dim, config.norm_eps)
+        if config.qk_norm:
+            shared = config.qk_norm_share_param_across_head
+            self.q_norm = HeadRMSNorm(heads, head_dim, QK_NORM_EPS, shared)
+            self.k_norm = HeadRMSNorm(kv_heads, head_dim, QK_NORM_EPS, shared)
+
+    def _kv_projection(self, shifted: bool) -> nn.Module:
+        width = self.kv_heads * self.head_dim
+        if shifted:
+            return ShiftLinear(self.config.hidden_size, width, self.kv_heads)
+        return nn.Linear(self.config.hidden_size, width, bias=False)
+
+    def reset_forget_gate_bias(self) -> None:
+        """Decay-time init of the forget-gate bias when the config asks for it, else zero."""
+        bias = self.fgate_proj.bias if self.config.fgate_type == "full" else getattr(self, "fgate_bias", None)
+        if bias is None:
+            return
+        with torch.no_grad():
+            if self.config.fgate_bias_init:
+                bias.copy_(decay_time_bias(self.heads, self.config.decay_time_min, self.config.decay_time_max))
+            else:
+                bias.zero_()
+
+    def log_forget_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """log f per head and token `[batch, heads, seq]`, float32.
+
+        -softplus(-z) lowers to ONNX Softplus and stays exact where Log(Sigmoid(z)) underflows.
+        """
+        kind = self.config.fgate_type
+        if kind == "none":
+            return x.new_zeros(x.shape[0], self.heads, x.shape[1], dtype=torch.float32)
+        logits = self.fgate_proj(x).float().transpose(1, 2) if kind == "full" else self.fgate_bias.float()[:, None]
+        return (-F.softplus(-logits)).expand(x.shape[0], self.heads, x.shape[1])
+
+    def _project(self, name: str, x: torch.Tensor, keep: torch.Tensor | None, cache: GatedCache | None):
+        """k or v projection; with a token shift, reads and stores the cached previous projection."""
+        projection = getattr(self, name)
+        if not isinstance(projection, ShiftLinear):
+            return projection(x)
+        field = "key_shift" if name == "k_proj" else "value_shift"
+        previous = None if cache is None else cache.shift_states(self.layer_idx)[SHIFT_FIELDS.index(field)]
+        mixed, last = projection(x, previous, keep)
+        if cache is not None:
+            cache.update_shift(self.layer_idx, **{field: last})
+        return mixed
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cache_position: torch.Tensor,
+        keep: torch.Tensor | None,
+        key_mask: torch.Tensor | None,
+        cache: GatedCache | None,
+    ) -> torch.Tensor:
+        """x `[batch, seq, hidden]`; positions `[batch, seq]` (RoPE); keep `[batch, seq]` real tokens."""
+        batch, seq, _ = x.shape
+        query = self.q_proj(x).view(batch, seq, self.heads, self.head_dim)
+        keys = self._project("k_proj", x, keep, cache).view(batch, seq, self.kv_heads, self.head_dim)
+        values = self._project("v_proj", x, keep, cache).view(batch, seq, self.kv_heads, self.head_dim)
+        if self.config.qk_norm:
+            query, keys = self.q_norm(query), self.k_norm(keys)
+        query, keys, values = query.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
+        if self.config.use_rope:
+            query = rotate(query, positions, self.config.rope_base)
+            keys = rotate(keys, positions, self.config.rope_base)
+        log_gates = self.log_forget_gate(x)
+        if keep is not None:
+            log_gates = log_gates * keep[:, None, :].float()
+        if cache is not None:
+            keys, values, log_gates = cache.update(
+                keys, values, log_gates, self.layer_idx, {"cache_position": cache_position}
+            )
+        out = forgetting_attention(query, keys, values, log_gates, cache_position, key_mask).transpose(1, 2)
+        if self.config.use_output_norm:
+            out = self.output_norm(out)
+        out = out.reshape(batch, seq, self.heads * self.head_dim)
+        if self.config.use_output_gate:
+            out = self.ogate_act(self.ogate_proj(x)) * out
+        return self.o_proj(out)
+
+
+class FoxBlock(nn.Module):
+    def __init__(self, config: FoxConfig, layer_idx: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.attn = ForgettingAttention(config, layer_idx)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.mlp_size, config.hidden_act)
+
+    def forward(self, hidden: torch.Tensor, *attention_args) -> torch.Tensor:
+        hidden = hidden + self.attn(self.attn_norm(hidden), *attention_args)
+        return hidden + self.mlp(self.mlp_norm(hidden))
+
+
+class FoxPreTrainedModel(PreTrainedModel):
+    config_class = FoxConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["FoxBlock"]
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=std)
+            if module.padding_idx is not None:
+                module.weight.data[module.padding_idx].zero_()
+        elif isinstance(module, (RMSNorm, HeadRMSNorm)):
+            nn.init.ones_(module.weight)
+        elif isinstance(module, ForgettingAttention):
+            module.reset_forget_gate_bias()  # after its fgate_proj child: `apply` visits children first
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, allow_pickle: bool = False, **kwargs):
+        """As transformers', but a folder holding only pickle weights is refused unless `allow_pickle`.
+
+        Pickle can run code when loaded; with `allow_pickle` transformers loads it with `weights_only=True`.
+        """
+        folder = Path(pretrained_model_name_or_path)
+        if folder.is_dir() and not allow_pickle:
+            names = os.listdir(folder)
+            pickles = sorted(n for n in names if n.endswith((".bin", ".pt", ".pth", ".ckpt")))
+            if pickles and not any(n.endswith(".safetensors") for n in names):
+                raise OSError(
+                    f"{folder} holds only pickle weights ({', '.join(pickles)}), which can run code when loaded. "
+                    "Convert them to safetensors, or pass allow_pickle=True to load them with weights_only=True."
+                )
+        return super().from_pretrained(pretrained_model_name_or_path, *args, use_safetensors=not allow_pickle, **kwargs)
+
+
+def mask_layout(
+    attention_mask: torch.Tensor | None, cache_position: torch.Tensor, kv_length: int, batch: int
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """RoPE positions `[batch, seq]`, new-token flags `[batch, seq]` and key flags `[batch, kv_length]`.
+
+    `attention_mask` `[batch, filled]` marks real tokens (0 = padding); a static cache's mask may stop
+    at the filled length and is extended with zeros (those slots are in the future, masked anyway).
+    Positions count real tokens, so a left-padded row's first token is at position 0.
+    """
+    if attention_mask is None:
+        return cache_position.unsqueeze(0).expand(batch, -1), None, None
+    if not torch.compiler.is_compiling() and attention_mask.shape[-1] != kv_length:
+        if attention_mask.shape[-1] > kv_length:
+            raise ValueError(f"attention_mask covers {attention_mask.shape[-1]} positions; the cache holds {kv_length}")
+        attention_mask = F.pad(attention_mask, (0, kv_length - attention_mask.shape[-1]))
+    key_mask = attention_mask.bool()
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, cache_position]
+    return positions, key_mask[:, cache_position], key_mask
+
+
+class FoxModel(FoxPreTrainedModel):
+    def __init__(self, config: FoxConfig):
+        super().__init__(config)
+        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.layers = nn.ModuleList(FoxBlock(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embeddings
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embeddings = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: GatedCache | tuple | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        cache_position: torch.LongTensor | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        hidden = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        cache = past_key_values
+        if isinstance(cache, tuple):
+            cache = DynamicCache.from_legacy_cache(cache)
+        if cache is None and use_cache:
+            cache = DynamicCache()
+        batch, seq = hidden.shape[:2]
+        if cache_position is None:
+            past = cache.get_seq_length() if cache is not None else 0
+            cache_position = torch.arange(past, past + seq, device=hidden.device)
+        kv_length = cache.get_mask_sizes(cache_position)[0] if cache is not None else seq
+        positions, keep, key_mask = mask_layout(attention_mask, cache_position, kv_length, batch)
+        for block in self.layers:
+            hidden = block(hidden, positions, cache_position, keep, key_mask, cache)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden), past_key_values=cache)
+
+
+class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = ["lm_head.weight"]
+
+    def __init__(self, config: FoxConfig):
+        super().__init__(config)
+        self.model = FoxModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embeddings
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embeddings = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: GatedCache | tuple | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        cache_position: torch.LongTensor | None = None,
+        logits_to_keep: int = 0,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        """`labels` `[batch, seq]` are the inputs themselves (shifted here, -100 ignored), as in transformers."""
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            cache_position=cache_position,
+        )
+        hidden = outputs.last_hidden_state
+        logits = self.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(
+                logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten().to(logits.device), ignore_index=-100
+            )
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
+
+    def _prepare_cache_for_generation(
+        self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+    ):
+        """generate() builds this project's gated caches: 'dynamic' (default), 'offloaded' or 'static'."""
+        given = model_kwargs.get("past_key_values")
+        if given is not None:
+            if isinstance(given, tuple):
+                model_kwargs["past_key_values"] = DynamicCache.from_legacy_cache(given)
+            return
+        if generation_config.use_cache is False:
+            return
+        kind = generation_config.cache_implementation
+        if kind in (None, "dynamic", "offloaded"):
+            model_kwargs["past_key_values"] = DynamicCache(offloading=kind == "offloaded")
+        elif kind == "static":
+            rows = batch_size * max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
+            model_kwargs["past_key_values"] = StaticCache(
+                self.config.num_hidden_layers, max_cache_len=max_cache_length, max_batch_size=rows
+            )
+        else:
+            raise ValueError(
+                f"cache_implementation {kind!r} is not supported by FoX; use 'dynamic', 'static' or 'offloaded'"
+            )

@@ -1,0 +1,97 @@
+"""Resolve `MODEL=` (a preset name, a preset folder, or any local checkpoint folder) to a loaded FoX model.
+
+The model hub is unreachable, so presets in `models/` hold a configuration and a tokenizer, and their
+weights are made on first use from a fixed seed, saved as safetensors under the cache directory
+(`$KVG_CACHE_DIR`, default `~/.cache/kvg-export`) and reused after that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from kvg_export.fox import FoxConfig, FoxForCausalLM
+
+MODELS_DIR = Path(os.environ.get("KVG_MODELS_DIR", Path(__file__).resolve().parent.parent / "models"))
+PRESET_FILES = ("config.json", "generation_config.json", "tokenizer.json")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KVG_CACHE_DIR", Path.home() / ".cache" / "kvg-export"))
+
+
+def preset_names() -> list[str]:
+    return sorted(p.name for p in MODELS_DIR.iterdir() if (p / "preset.json").is_file()) if MODELS_DIR.is_dir() else []
+
+
+def _has_weights(folder: Path) -> bool:
+    return any(p.name.endswith(WEIGHT_SUFFIXES) for p in folder.iterdir())
+
+
+def _preset_folder(model: str | os.PathLike) -> Path | None:
+    """The preset folder `model` names (by name or by path), or None if it is not a preset."""
+    as_path = Path(model)
+    if (as_path / "preset.json").is_file():
+        return as_path
+    if (MODELS_DIR / str(model) / "preset.json").is_file():
+        return MODELS_DIR / str(model)
+    return None
+
+
+def _build_preset(preset: Path, target: Path) -> None:
+    """Write the preset's checkpoint folder: seeded random weights plus its config and tokenizer files."""
+    seed = json.loads((preset / "preset.json").read_text())["seed"]
+    config = FoxConfig.from_pretrained(preset)
+    torch.manual_seed(seed)
+    model = FoxForCausalLM(config)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        model.save_pretrained(staging, safe_serialization=True)
+        for name in PRESET_FILES:
+            if (preset / name).is_file():
+                shutil.copy2(preset / name, staging / name)
+        staging.rename(target)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (target / "config.json").is_file():  # another process may have won the race
+            raise
+
+
+def resolve_checkpoint(model: str | os.PathLike) -> Path:
+    """A local folder with config.json and weights for `model`; preset weights are built once and cached."""
+    preset = _preset_folder(model)
+    if preset is not None:
+        digest = hashlib.sha256()
+        for name in (*PRESET_FILES, "preset.json"):
+            if (preset / name).is_file():
+                digest.update((preset / name).read_bytes())
+        digest.update(torch.__version__.encode())
+        target = cache_dir() / "presets" / f"{preset.name}-{digest.hexdigest()[:16]}"
+        if not (target / "config.json").is_file():
+            _build_preset(preset, target)
+        return target
+    folder = Path(model)
+    if folder.is_dir() and (folder / "config.json").is_file() and _has_weights(folder):
+        return folder
+    if folder.is_dir():
+        raise FileNotFoundError(f"{folder} is not a checkpoint folder: it needs config.json and weight files")
+    raise ValueError(
+        f"unknown model {str(model)!r}: not a preset ({', '.join(preset_names()) or 'none found'}) "
+        "and not a local checkpoint folder"
+    )
+
+
+def load_model(
+    model: str | os.PathLike, dtype: torch.dtype = torch.float32, allow_pickle: bool = False
+) -> FoxForCausalLM:
+    """The FoX model for a preset name or folder, or a local checkpoint folder, in eval mode."""
+    folder = resolve_checkpoint(model)
+    return FoxForCausalLM.from_pretrained(folder, dtype=dtype, allow_pickle=allow_pickle).eval()
