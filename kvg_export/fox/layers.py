@@ -69,7 +69,7 @@ class ShiftLinear(nn.Module):
             raw = raw * keep.unsqueeze(-1).to(raw.dtype)
         if previous is None:
             previous = raw.new_zeros(raw.shape[0], raw.shape[2])
-        before = torch.cat([previous.unsqueeze(1).to(raw.dtype), raw[:, :-1]], dim=1)
+        before = torch.cat([previous.unsqueeze(1).to(raw.dtype), raw], dim=1)[:, :-1]
         batch, seq, width = raw.shape
         weight = torch.sigmoid(self.shift_proj(x).float()).unsqueeze(-1)  # [batch, seq, heads, 1]
         mixed = weight * before.float().view(batch, seq, self.heads, -1)
