@@ -215,6 +215,16 @@ class StaticCache(GatedCache):
         layers = [StaticLayer(max_cache_len, max_batch_size) for _ in range(num_layers)]
         super().__init__(layers=layers, offloading=offloading)
 
+    @classmethod
+    def from_tensors(cls, layer_tensors: Iterable[LayerTensors]) -> StaticCache:
+        """A static cache over existing buffers `(keys, values, gates[, key_shift, value_shift])` per layer."""
+        layers = [StaticLayer.from_tensors(*tensors) for tensors in layer_tensors]
+        if not layers:
+            raise ValueError("a static cache needs at least one layer of tensors")
+        cache = cls(num_layers=0, max_cache_len=layers[0].max_cache_len)
+        cache.layers = layers
+        return cache
+
     def early_initialization(
         self,
         batch_size: int,

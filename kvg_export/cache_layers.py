@@ -86,6 +86,29 @@ class GatedLayer(ABC):
     def has_shift(self) -> bool:
         return self.key_shift is not None or self.value_shift is not None
 
+    @classmethod
+    def from_tensors(
+        cls,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        gates: torch.Tensor,
+        key_shift: torch.Tensor | None = None,
+        value_shift: torch.Tensor | None = None,
+    ) -> GatedLayer:
+        """A layer that holds (not copies) the given tensors, e.g. an exported graph's cache inputs."""
+        layer = cls._sized_for(keys)
+        if not is_tracing():
+            check_states(layer, keys, values, gates)
+        layer.device = keys.device
+        layer.keys, layer.values, layer.gates = keys, values, gates
+        layer.key_shift, layer.value_shift = key_shift, value_shift
+        return layer
+
+    @classmethod
+    @abstractmethod
+    def _sized_for(cls, keys: torch.Tensor) -> GatedLayer:
+        """An empty layer able to hold `keys` `[batch, kv_heads, seq, head_dim]`."""
+
     @abstractmethod
     def lazy_initialization(self, key_states: torch.Tensor, gate_states: torch.Tensor) -> None: ...
 
@@ -160,6 +183,10 @@ class GatedLayer(ABC):
 class DynamicLayer(GatedLayer):
     """A layer that grows by concatenation: the cache for eager decoding and the dynamic ONNX graph."""
 
+    @classmethod
+    def _sized_for(cls, keys: torch.Tensor) -> DynamicLayer:
+        return cls()
+
     def lazy_initialization(self, key_states: torch.Tensor, gate_states: torch.Tensor) -> None:
         batch, kv_heads, _, head_dim = key_states.shape
         self.device = key_states.device
@@ -210,24 +237,6 @@ class DynamicLayer(GatedLayer):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._map(lambda t: t[indices, ...])
 
-    @classmethod
-    def from_tensors(
-        cls,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        gates: torch.Tensor,
-        key_shift: torch.Tensor | None = None,
-        value_shift: torch.Tensor | None = None,
-    ) -> DynamicLayer:
-        """A layer that holds (not copies) the given tensors."""
-        layer = cls()
-        if not is_tracing():
-            check_states(layer, keys, values, gates)
-        layer.device = keys.device
-        layer.keys, layer.values, layer.gates = keys, values, gates
-        layer.key_shift, layer.value_shift = key_shift, value_shift
-        return layer
-
 
 class StaticLayer(GatedLayer):
     """A layer of fixed `max_cache_len` whose buffers are allocated once and written in place.
@@ -245,6 +254,10 @@ class StaticLayer(GatedLayer):
         self.max_cache_len = max_cache_len
         self.max_batch_size = max_batch_size  # a limit until allocation, then the batch the buffers hold
         self.filled = 0  # one past the highest written position; tracked eagerly, never guessed from values
+
+    @classmethod
+    def _sized_for(cls, keys: torch.Tensor) -> StaticLayer:
+        return cls(keys.shape[2], keys.shape[0])
 
     def lazy_initialization(self, key_states: torch.Tensor, gate_states: torch.Tensor) -> None:
         batch, kv_heads, _, head_dim = key_states.shape

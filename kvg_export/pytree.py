@@ -12,7 +12,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from kvg_export.cache import DynamicCache, GatedCache, StaticCache
-from kvg_export.cache_layers import SHIFT_FIELDS, TENSOR_FIELDS, DynamicLayer, GatedLayer, StaticLayer
+from kvg_export.cache_layers import SHIFT_FIELDS, TENSOR_FIELDS, DynamicLayer, StaticLayer
 
 
 def _flatten(cache: GatedCache) -> tuple[list[list], tuple[str, ...]]:
@@ -28,26 +28,18 @@ def _flatten_with_keys(cache: GatedCache):
     return [(pytree.MappingKey(name), column) for name, column in zip(fields, columns, strict=True)], fields
 
 
-def _fill(layer: GatedLayer, fields: tuple[str, ...], columns: list[list], index: int) -> GatedLayer:
-    for name, column in zip(fields, columns, strict=True):
-        setattr(layer, name, column[index])
-    layer.device = layer.keys.device
-    return layer
+def _layer_tuples(columns: list[list], fields: tuple[str, ...]) -> list[tuple]:
+    """Per layer, (keys, values, gates, key_shift, value_shift) with None for fields not flattened."""
+    named = [dict(zip(fields, tensors, strict=True)) for tensors in zip(*columns, strict=True)]
+    return [tuple(layer.get(name) for name in TENSOR_FIELDS) for layer in named]
 
 
 def _unflatten_dynamic(columns: list[list], fields: tuple[str, ...]) -> DynamicCache:
-    cache = DynamicCache()
-    cache.layers = [_fill(DynamicLayer(), fields, columns, i) for i in range(len(columns[0]))]
-    return cache
+    return DynamicCache(_layer_tuples(columns, fields))
 
 
 def _unflatten_static(columns: list[list], fields: tuple[str, ...]) -> StaticCache:
-    keys = columns[0]
-    cache = StaticCache(num_layers=0, max_cache_len=1)
-    cache.layers = [
-        _fill(StaticLayer(keys[i].shape[2], keys[i].shape[0]), fields, columns, i) for i in range(len(keys))
-    ]
-    return cache
+    return StaticCache.from_tensors(_layer_tuples(columns, fields))
 
 
 def register_cache_pytrees() -> None:
