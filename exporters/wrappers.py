@@ -1,0 +1,55 @@
+"""Exportable forms of a FoX model: flat, named cache tensors in; logits and the updated cache out.
+
+`torch.export` traces these rather than the transformers model, so that each cache tensor is one
+graph input and one graph output and the ONNX names follow the contract in `contract.py`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from exporters.contract import CACHE_FIELDS, CacheLayout
+from kvg_export import DynamicCache, FoxForCausalLM, StaticCache
+
+
+class ExportableFox(nn.Module):
+    """One forward step over a dynamic cache (`past` may be empty) or a static one (written at cache_position)."""
+
+    def __init__(self, model: FoxForCausalLM, layout: CacheLayout):
+        super().__init__()
+        self.model, self.layout = model, layout
+
+    def _layer_tuples(self, past: tuple[torch.Tensor, ...]) -> list[tuple]:
+        width = len(self.layout.fields)
+        layers = []
+        for i in range(self.layout.num_layers):
+            named = dict(zip(self.layout.fields, past[i * width : (i + 1) * width], strict=True))
+            layers.append(tuple(named.get(f) for f in CACHE_FIELDS))
+        return layers
+
+    def forward(self, input_ids, attention_mask, *rest):
+        """input_ids `[batch, seq]`, attention_mask `[batch, past+seq]` (static: `[batch, max_cache_len]`),
+        then cache_position `[seq]` for a static graph, then the past tensors in `layout.past_names()` order.
+        """
+        cache_position, past = (rest[0], rest[1:]) if self.layout.static else (None, rest)
+        layers = self._layer_tuples(past)
+        cache = StaticCache.from_tensors(layers) if self.layout.static else DynamicCache(layers)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            past_key_values=cache,
+            cache_position=cache_position,
+            use_cache=True,
+        )
+        present = []
+        for layer in cache.layers:
+            by_field = dict(
+                zip(
+                    CACHE_FIELDS,
+                    (layer.keys, layer.values, layer.gates, layer.key_shift, layer.value_shift),
+                    strict=True,
+                )
+            )
+            present.extend(by_field[f] for f in self.layout.fields)
+        return (out.logits.float(), *present)
