@@ -7,7 +7,14 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0+cpu
 STAMP := $(VENV)/.setup-done
 
-.PHONY: setup test lint format clean
+# `make export MODEL=... [CACHE=dynamic|static] [DTYPE=fp32|fp16|bf16] [OUT=...] [FORCE=1]`
+MODEL ?= fox-tiny
+CACHE ?= dynamic
+DTYPE ?= fp32
+OUT ?= artifacts/$(notdir $(MODEL))-$(CACHE)-$(DTYPE)
+EXPORT_FLAGS ?=
+
+.PHONY: setup test lint format clean export
 
 setup: $(STAMP)
 
@@ -20,6 +27,9 @@ $(STAMP): pyproject.toml constraints.txt
 
 test: setup
 	$(PY) -m pytest -q
+
+export: setup
+	$(VENV)/bin/kvg-export "$(MODEL)" --out "$(OUT)" --cache $(CACHE) --dtype $(DTYPE) $(if $(FORCE),--force) $(EXPORT_FLAGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -35,6 +35,16 @@ class CacheLayout:
         return ["logits", *self.present_names()]
 
 
+def cache_shape(config, field: str, batch: int, length: int) -> tuple[int, ...]:
+    """key/value `[batch, kv_heads, length, head_dim]`, gate `[batch, heads, length]`,
+    shifts `[batch, kv_heads * head_dim]`."""
+    if field == "gate":
+        return (batch, config.num_heads, length)
+    if field in ("key", "value"):
+        return (batch, config.kv_heads, length, config.head_dim)
+    return (batch, config.kv_heads * config.head_dim)
+
+
 def cache_layout(config, static: bool) -> CacheLayout:
     """The layout of a FoX config: key, value and gate always; the shift states its options ask for."""
     shifts = [f for f, on in (("key_shift", config.use_k_shift), ("value_shift", config.use_v_shift)) if on]

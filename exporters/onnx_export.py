@@ -6,13 +6,15 @@ the past length: size-0/1 examples or automatic dims would specialise the graph.
 
 from __future__ import annotations
 
+import logging
+import warnings
 from pathlib import Path
 
-import onnx
+import onnx_ir as ir
 import torch
 from torch.export import Dim, ExportedProgram
 
-from exporters.contract import CacheLayout
+from exporters.contract import CacheLayout, cache_shape
 from exporters.wrappers import ExportableFox
 from kvg_export import FoxForCausalLM
 
@@ -21,13 +23,8 @@ DEFAULT_OPSET = 20
 
 
 def _cache_tensor(model: FoxForCausalLM, field: str, batch: int, length: int) -> torch.Tensor:
-    config = model.config
-    kv_heads, head_dim = config.kv_heads, config.head_dim
-    if field == "gate":
-        return torch.randn(batch, config.num_heads, length)
-    if field in ("key", "value"):
-        return torch.randn(batch, kv_heads, length, head_dim, dtype=model.dtype)
-    return torch.randn(batch, kv_heads * head_dim, dtype=model.dtype)
+    dtype = torch.float32 if field == "gate" else model.dtype
+    return torch.randn(cache_shape(model.config, field, batch, length), dtype=dtype)
 
 
 def example_inputs(model: FoxForCausalLM, layout: CacheLayout, max_cache_len: int | None = None) -> tuple:
@@ -89,28 +86,26 @@ def _axis_names(layout: CacheLayout, name: str) -> list[str | None]:
     return ["batch", None, length, None]
 
 
-def name_axes(model_proto: onnx.ModelProto, layout: CacheLayout) -> None:
-    """Give every dynamic axis of the graph's inputs and outputs its contract name (batch, seq, past, total)."""
-    for value in [*model_proto.graph.input, *model_proto.graph.output]:
-        dims = value.type.tensor_type.shape.dim
-        for dim, axis in zip(dims, _axis_names(layout, value.name), strict=True):
-            if axis is not None:
-                dim.dim_param = axis
-
-
-def lower_to_onnx(program: ExportedProgram, example: tuple, layout: CacheLayout, path: Path, opset: int) -> None:
-    """Write `path` (model.onnx, weights as external data beside it when large)."""
-    onnx_program = torch.onnx.export(
-        program,
-        example,
-        input_names=layout.input_names(),
-        output_names=layout.output_names(),
-        opset_version=opset,
-        dynamo=True,
-        optimize=True,
-        verbose=False,
-    )
-    onnx_program.save(str(path), external_data=True)
-    graph_only = onnx.load(str(path), load_external_data=False)  # weights stay where they were written
-    name_axes(graph_only, layout)
-    onnx.save(graph_only, str(path))
+def lower_to_onnx(
+    program: ExportedProgram, example: tuple, layout: CacheLayout, path: Path, opset: int, external_data: bool
+) -> None:
+    """Write `path`: the ONNX graph with contract names and named axes, weights beside it if `external_data`."""
+    # Quiet the exporter's notes that concern other libraries (torchvision ops, a pytree deprecation in torch).
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+        onnx_program = torch.onnx.export(
+            program,
+            example,
+            input_names=layout.input_names(),
+            output_names=layout.output_names(),
+            opset_version=opset,
+            dynamo=True,
+            optimize=True,
+            verbose=False,
+        )
+    graph = onnx_program.model.graph
+    for value in [*graph.inputs, *graph.outputs]:
+        axes = _axis_names(layout, value.name)
+        value.shape = ir.Shape([name or dim for name, dim in zip(axes, value.shape, strict=True)])
+    onnx_program.save(str(path), external_data=external_data)

@@ -1,0 +1,126 @@
+"""The artifact manifest `kvg_config.json`: all the runtime needs to serve an export without torch.
+
+It records sizes, dtypes, the IO name templates and every graph input and output (name, dtype, axes),
+the cache kind and limits, special token ids, the opset and where the export came from. The ONNX graph
+is checked against it before an artifact is called good.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import onnx
+
+from exporters.contract import CACHE_FIELDS, PAST_TEMPLATE, PRESENT_TEMPLATE, CacheLayout
+
+MANIFEST_NAME = "kvg_config.json"
+FORMAT_VERSION = 1
+ONNX_DTYPES = {"float32": onnx.TensorProto.FLOAT, "float16": onnx.TensorProto.FLOAT16,
+               "bfloat16": onnx.TensorProto.BFLOAT16, "int64": onnx.TensorProto.INT64}  # fmt: skip
+
+
+def source_digest(folder: Path) -> str:
+    """sha256 over the checkpoint's weight files, in name order."""
+    digest = hashlib.sha256()
+    for path in sorted(folder.iterdir()):
+        if path.suffix in (".safetensors", ".bin", ".pt", ".pth", ".ckpt"):
+            digest.update(path.name.encode())
+            with path.open("rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+    return digest.hexdigest()
+
+
+def _io_entry(name: str, dtype: str, axes: list) -> dict:
+    return {"name": name, "dtype": dtype, "axes": axes}
+
+
+def graph_io(config, layout: CacheLayout, dtype: str, max_cache_len: int | None) -> tuple[list, list]:
+    """The graph's inputs and outputs as the contract defines them: name, dtype and axes (names or sizes)."""
+    heads, kv_heads, head_dim = config.num_heads, config.kv_heads, config.head_dim
+    length_in, length_out = (max_cache_len, max_cache_len) if layout.static else ("past", "total")
+
+    def cache_entry(name: str, field: str, length) -> dict:
+        axes = {
+            "key": ["batch", kv_heads, length, head_dim],
+            "value": ["batch", kv_heads, length, head_dim],
+            "gate": ["batch", heads, length],
+        }.get(field, ["batch", kv_heads * head_dim])
+        return _io_entry(name, "float32" if field == "gate" else dtype, axes)
+
+    inputs = [
+        _io_entry("input_ids", "int64", ["batch", "seq"]),
+        _io_entry("attention_mask", "int64", ["batch", max_cache_len if layout.static else "total"]),
+    ]
+    if layout.static:
+        inputs.append(_io_entry("cache_position", "int64", ["seq"]))
+    fields = layout.fields * layout.num_layers
+    inputs += [cache_entry(n, f, length_in) for n, f in zip(layout.past_names(), fields, strict=True)]
+    outputs = [_io_entry("logits", "float32", ["batch", "seq", config.vocab_size])]
+    outputs += [cache_entry(n, f, length_out) for n, f in zip(layout.present_names(), fields, strict=True)]
+    return inputs, outputs
+
+
+def build_manifest(
+    config, layout: CacheLayout, *, dtype: str, opset: int, max_cache_len: int | None, max_batch: int,
+    source: str, source_sha256: str, exporter_version: str, files: dict[str, str | None],
+) -> dict:  # fmt: skip
+    inputs, outputs = graph_io(config, layout, dtype, max_cache_len)
+    eos = config.eos_token_id
+    return {
+        "format_version": FORMAT_VERSION,
+        "exporter_version": exporter_version,
+        "source": {"model": source, "sha256": source_sha256, "model_type": config.model_type},
+        "opset": opset,
+        "dtype": dtype,
+        "gate_dtype": "float32",
+        "cache": {
+            "kind": "static" if layout.static else "dynamic",
+            "max_cache_len": max_cache_len,
+            "max_batch": max_batch,
+            "fields": list(layout.fields),
+            "shift_width": config.kv_heads * config.head_dim if len(layout.fields) > 3 else None,
+        },
+        "model": {
+            "num_layers": config.num_hidden_layers,
+            "num_heads": config.num_heads,
+            "num_kv_heads": config.kv_heads,
+            "head_dim": config.head_dim,
+            "hidden_size": config.hidden_size,
+            "vocab_size": config.vocab_size,
+        },
+        "names": {"past": PAST_TEMPLATE, "present": PRESENT_TEMPLATE, "fields": list(CACHE_FIELDS)},
+        "inputs": inputs,
+        "outputs": outputs,
+        "special_tokens": {
+            "bos": config.bos_token_id,
+            "eos": eos if isinstance(eos, list) or eos is None else [eos],
+            "pad": config.pad_token_id,
+        },
+        "files": files,
+    }
+
+
+def _described(value: onnx.ValueInfoProto) -> dict:
+    tensor = value.type.tensor_type
+    dtype = next((k for k, v in ONNX_DTYPES.items() if v == tensor.elem_type), str(tensor.elem_type))
+    axes = [d.dim_param if d.HasField("dim_param") else d.dim_value for d in tensor.shape.dim]
+    return _io_entry(value.name, dtype, axes)
+
+
+def check_graph_matches(model_path: Path, manifest: dict) -> None:
+    """Raise ValueError naming every graph input or output that differs from the manifest."""
+    graph = onnx.load(str(model_path), load_external_data=False).graph
+    problems = []
+    for kind, values in (("input", graph.input), ("output", graph.output)):
+        actual = [_described(v) for v in values]
+        expected = manifest[f"{kind}s"]
+        if [a["name"] for a in actual] != [e["name"] for e in expected]:
+            problems.append(f"{kind} names {[a['name'] for a in actual]} != manifest {[e['name'] for e in expected]}")
+            continue
+        problems += [
+            f"{kind} {a['name']}: graph {a} != manifest {e}" for a, e in zip(actual, expected, strict=True) if a != e
+        ]
+    if problems:
+        raise ValueError("the ONNX graph does not match kvg_config.json:\n  " + "\n  ".join(problems))

@@ -1,0 +1,134 @@
+"""`kvg-export`: every preset exports in both cache kinds, validated; bad input fails cleanly."""
+
+import json
+import re
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+from exporters import validate
+from exporters.cli import main
+from exporters.export import ExportError, ExportOptions, export_artifact
+from exporters.manifest import MANIFEST_NAME
+from kvg_export.presets import load_model
+
+CASES = [
+    (p, c, "fp32") for p in ("fox-tiny", "fox-pro-tiny", "fox-gqa-tiny", "fox-small") for c in ("dynamic", "static")
+]
+CASES.append(("fox-gqa-tiny", "dynamic", "fp16"))
+STATIC_LENGTH = 48
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: "-".join(c))
+def artifact(request, tmp_path_factory):
+    preset, cache, dtype = request.param
+    out = tmp_path_factory.mktemp("artifacts") / f"{preset}-{cache}-{dtype}"
+    options = ExportOptions(
+        preset, out, cache=cache, dtype=dtype, max_cache_len=STATIC_LENGTH if cache == "static" else None
+    )
+    lines = []
+    result = export_artifact(options, log=lines.append)
+    return preset, cache, dtype, result, lines
+
+
+def test_the_export_passes_its_validation_and_says_so(artifact):
+    _, _, _, result, lines = artifact
+    assert result.report.passed and len(result.report.steps) == 1 + validate.DECODE_STEPS
+    assert [line.split()[0] for line in lines[:5]] == ["load", "trace", "lower", "check", "validate"]
+    saved = json.loads((result.path / "validation.json").read_text())
+    assert saved["passed"] and len(saved["steps"]) == 17
+
+
+def test_the_artifact_holds_graph_manifest_and_model_files(artifact):
+    _, cache, dtype, result, _ = artifact
+    names = {p.name for p in result.path.iterdir()}
+    assert {"model.onnx", MANIFEST_NAME, "config.json", "generation_config.json", "tokenizer.json"} <= names
+    manifest = json.loads((result.path / MANIFEST_NAME).read_text())
+    assert manifest["cache"]["kind"] == cache and manifest["dtype"] == {"fp32": "float32", "fp16": "float16"}[dtype]
+    assert manifest["cache"]["max_cache_len"] == (STATIC_LENGTH if cache == "static" else None)
+    assert manifest["validation"]["passed"] and manifest["special_tokens"]["eos"] == [2]
+    assert not [p for p in result.path.parent.iterdir() if p.name.startswith(".")]  # no staging left behind
+
+
+def test_onnxruntime_on_the_artifact_matches_eager_prefill(artifact):
+    """An independent check of the artifact: one prefill through a fresh session against eager logits."""
+    preset, cache, dtype, result, _ = artifact
+    model = load_model(preset, dtype={"fp32": torch.float32, "fp16": torch.float16}[dtype])
+    manifest = json.loads((result.path / MANIFEST_NAME).read_text())
+    session = ort.InferenceSession(str(result.path / "model.onnx"), providers=["CPUExecutionProvider"])
+    ids = torch.randint(3, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(4))
+    feed = {"input_ids": ids.numpy(), "attention_mask": np.ones((1, 6), dtype=np.int64)}
+    if cache == "static":
+        feed["attention_mask"] = np.pad(feed["attention_mask"], ((0, 0), (0, STATIC_LENGTH - 6)))
+        feed["cache_position"] = np.arange(6)
+    for entry in manifest["inputs"]:
+        if entry["name"].startswith("past_key_values"):
+            shape = [1 if a == "batch" else 0 if a == "past" else a for a in entry["axes"]]
+            feed[entry["name"]] = np.zeros(shape, dtype={"float32": np.float32, "float16": np.float16}[entry["dtype"]])
+    logits = session.run(["logits"], feed)[0]
+    with torch.no_grad():
+        want = model(ids).logits.float().numpy()
+    assert np.abs(logits - want).max() < validate.TOLERANCES[manifest["dtype"]]
+
+
+def test_a_failed_validation_leaves_no_artifact_and_keeps_the_old_one(tmp_path, monkeypatch):
+    good = tmp_path / "art"
+    good.mkdir()
+    (good / "model.onnx").write_text("the previous good artifact")
+    monkeypatch.setitem(validate.TOLERANCES, "float32", -1.0)  # any difference at all now fails
+    with pytest.raises(ExportError, match=r"validation failed: prefill: .* differ"):
+        export_artifact(ExportOptions("fox-tiny", good, force=True), log=lambda _: None)
+    assert (good / "model.onnx").read_text() == "the previous good artifact"
+    with pytest.raises(ExportError, match="validation failed"):
+        export_artifact(ExportOptions("fox-tiny", tmp_path / "new"), log=lambda _: None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["fox-huge"], r"unknown model 'fox-huge'.*fox-tiny"),
+        (["fox-tiny", "--max-cache-len", "64"], "applies to --cache static only"),
+        (["fox-tiny", "--cache", "static", "--max-cache-len", "8"], "must be at least 24"),
+        (["fox-tiny", "--dtype", "bf16"], "bf16 graphs cannot be validated on onnxruntime's CPU provider"),
+        (["fox-tiny", "--opset", "12"], "--opset 12 is not supported"),
+        (["fox-tiny", "--max-batch", "0"], "--max-batch must be at least 1"),
+    ],
+)
+def test_bad_input_is_refused_with_a_message_and_nothing_written(tmp_path, capsys, args, message):
+    out = tmp_path / "out"
+    assert main([*args, "--out", str(out)]) == 2
+    assert re.search(message, capsys.readouterr().err)
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_an_existing_artifact_is_not_replaced_without_force(tmp_path, capsys):
+    (tmp_path / "keep.txt").write_text("mine")
+    assert main(["fox-tiny", "--out", str(tmp_path)]) == 2
+    assert "already exists and is not empty; pass --force" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
+
+
+def test_an_unwritable_output_path_is_refused(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert main(["fox-tiny", "--out", str(blocker / "artifact")]) == 2
+    assert "cannot write to" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["a-file"]
+
+
+def test_an_older_opset_with_external_weights_passes_the_same_validation(tmp_path, monkeypatch):
+    monkeypatch.setattr("exporters.export.EXTERNAL_DATA_BYTES", 0)
+    result = export_artifact(ExportOptions("fox-pro-tiny", tmp_path / "art", opset=18), log=lambda _: None)
+    assert result.report.passed
+    assert json.loads((result.path / MANIFEST_NAME).read_text())["opset"] == 18
+    assert [p.name for p in result.path.iterdir() if p.name.startswith("model.onnx.")]  # the weights file
+
+
+def test_an_opset_whose_fp16_graph_fails_the_checker_is_refused_cleanly(tmp_path, capsys):
+    """DESIGN.md's trap: opset 23 fuses fp16 RMSNorm into an invalid RMSNormalization."""
+    assert main(["fox-tiny", "--dtype", "fp16", "--opset", "23", "--out", str(tmp_path / "art")]) == 2
+    assert "fails onnx.checker at opset 23" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
