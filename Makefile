@@ -13,8 +13,15 @@ CACHE ?= dynamic
 DTYPE ?= fp32
 OUT ?= artifacts/$(notdir $(MODEL))-$(CACHE)-$(DTYPE)
 EXPORT_FLAGS ?=
+# `make generate [PROMPT=...] [GENERATE_FLAGS=...]` runs the artifact `make export` makes (exporting it first if needed)
+PROMPT ?= The forgetting transformer
+GENERATE_FLAGS ?= --max-new-tokens 48
+EXPORT = $(VENV)/bin/kvg-export "$(MODEL)" --out "$(OUT)" --cache $(CACHE) --dtype $(DTYPE) $(EXPORT_FLAGS)
+# gpu-check runs where the CUDA stack is already installed (no venv is built): a Python with CUDA torch,
+# onnxruntime-gpu, transformers, tokenizers and this repository on PYTHONPATH.
+GPU_PYTHON ?= python3
 
-.PHONY: setup test lint format clean export
+.PHONY: setup test lint format clean export generate gpu-check
 
 setup: $(STAMP)
 
@@ -29,7 +36,17 @@ test: setup
 	$(PY) -m pytest -q
 
 export: setup
-	$(VENV)/bin/kvg-export "$(MODEL)" --out "$(OUT)" --cache $(CACHE) --dtype $(DTYPE) $(if $(FORCE),--force) $(EXPORT_FLAGS)
+	$(EXPORT) $(if $(FORCE),--force)
+
+$(OUT)/kvg_config.json: | setup
+	$(EXPORT)
+
+generate: setup $(OUT)/kvg_config.json
+	$(VENV)/bin/kvg-generate "$(OUT)" --prompt "$(PROMPT)" $(GENERATE_FLAGS)
+
+gpu-check:
+	PYTHONPATH=.:$$PYTHONPATH $(GPU_PYTHON) -m pytest -q -m cuda tests
+	PYTHONPATH=.:$$PYTHONPATH $(GPU_PYTHON) bench/gpu_check.py
 
 lint: setup
 	$(VENV)/bin/ruff check .

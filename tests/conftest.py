@@ -1,7 +1,11 @@
-"""Shared test set-up: CUDA-marked tests skip on machines without a GPU."""
+"""Shared test set-up: CUDA-marked tests skip without a GPU; exported artifacts are made once per session."""
 
 import pytest
 import torch
+
+from exporters.export import ExportOptions, export_artifact
+
+STATIC_LENGTH = 96  # room for a 16-token prompt and 64 new tokens, and for the export's own validation
 
 
 def pytest_collection_modifyitems(config, items):
@@ -11,3 +15,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def exported(tmp_path_factory):
+    """exported(preset, cache, dtype="fp32") -> (ExportResult, progress lines), each exported once."""
+    made = {}
+
+    def export(preset: str, cache: str, dtype: str = "fp32"):
+        key = (preset, cache, dtype)
+        if key not in made:
+            out = tmp_path_factory.mktemp("artifacts") / "-".join(key)
+            length = STATIC_LENGTH if cache == "static" else None
+            lines = []
+            result = export_artifact(ExportOptions(preset, out, cache, dtype, length), log=lines.append)
+            made[key] = (result, lines)
+        return made[key]
+
+    return export

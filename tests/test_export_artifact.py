@@ -7,6 +7,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
+from conftest import STATIC_LENGTH
 
 from exporters import validate
 from exporters.cli import main
@@ -18,19 +19,12 @@ CASES = [
     (p, c, "fp32") for p in ("fox-tiny", "fox-pro-tiny", "fox-gqa-tiny", "fox-small") for c in ("dynamic", "static")
 ]
 CASES.append(("fox-gqa-tiny", "dynamic", "fp16"))
-STATIC_LENGTH = 48
 
 
-@pytest.fixture(scope="module", params=CASES, ids=lambda c: "-".join(c))
-def artifact(request, tmp_path_factory):
+@pytest.fixture(params=CASES, ids=lambda c: "-".join(c))
+def artifact(request, exported):
     preset, cache, dtype = request.param
-    out = tmp_path_factory.mktemp("artifacts") / f"{preset}-{cache}-{dtype}"
-    options = ExportOptions(
-        preset, out, cache=cache, dtype=dtype, max_cache_len=STATIC_LENGTH if cache == "static" else None
-    )
-    lines = []
-    result = export_artifact(options, log=lines.append)
-    return preset, cache, dtype, result, lines
+    return (preset, cache, dtype, *exported(preset, cache, dtype))
 
 
 def test_the_export_passes_its_validation_and_says_so(artifact):

@@ -1,0 +1,150 @@
+"""An exported artifact opened for serving: its manifest, checked against the graph, and its session.
+
+Everything the decode loop needs comes from `kvg_config.json` (sizes, dtypes, IO names, cache kind and
+limits, special tokens); the ONNX graph's inputs and outputs must say the same, or loading stops here
+with a message rather than failing deep inside onnxruntime.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+MANIFEST_NAME = "kvg_config.json"
+SUPPORTED_FORMAT = 1
+NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int64": np.int64}
+ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int64)": "int64",
+             "tensor(bfloat16)": "bfloat16"}  # fmt: skip
+PROVIDERS = {"cuda": "CUDAExecutionProvider", "cpu": "CPUExecutionProvider"}
+
+
+class ArtifactError(Exception):
+    """The artifact or the request cannot be served; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class SessionOptions:
+    provider: str = "auto"  # auto (CUDA when it works here, else CPU), cuda or cpu
+    intra_op_threads: int = 0  # 0: onnxruntime's default
+    optimization: str = "all"  # disable, basic, extended or all
+    optimized_model_path: Path | None = None  # save the optimized graph here (and reuse it if it exists)
+
+
+OPTIMIZATION_LEVELS = {
+    "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+}
+
+
+def read_manifest(folder: Path) -> dict:
+    path = folder / MANIFEST_NAME
+    if not folder.is_dir():
+        raise ArtifactError(f"{folder} is not an artifact folder (make one with `kvg-export MODEL --out {folder}`)")
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ArtifactError(f"{folder} has no {MANIFEST_NAME}; is it a kvg-export artifact?") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ArtifactError(f"{path} is not valid JSON ({error}); re-export the model") from None
+    if manifest.get("format_version") != SUPPORTED_FORMAT:
+        raise ArtifactError(
+            f"{path} has format_version {manifest.get('format_version')!r}; this runtime reads {SUPPORTED_FORMAT}"
+        )
+    return manifest
+
+
+def _check_graph(session: ort.InferenceSession, manifest: dict, folder: Path) -> None:
+    problems = []
+    for kind, actual in (("input", session.get_inputs()), ("output", session.get_outputs())):
+        expected = manifest[f"{kind}s"]
+        if [a.name for a in actual] != [e["name"] for e in expected]:
+            problems.append(
+                f"{kind} names differ: graph {[a.name for a in actual]}, manifest {[e['name'] for e in expected]}"
+            )
+            continue
+        for a, e in zip(actual, expected, strict=True):
+            if ORT_TYPES.get(a.type, a.type) != e["dtype"] or len(a.shape) != len(e["axes"]):
+                problems.append(
+                    f"{kind} {a.name}: graph {a.type} rank {len(a.shape)}, manifest {e['dtype']} rank {len(e['axes'])}"
+                )
+    if problems:
+        raise ArtifactError(
+            f"{folder}: the graph does not match {MANIFEST_NAME}; re-export it:\n  " + "\n  ".join(problems)
+        )
+
+
+def _providers(choice: str, dtype: str) -> list:
+    """CUDA first unless CPU is asked for; fp32 graphs keep fp32 matmuls (no TF32) so they match eager."""
+    if choice not in ("auto", *PROVIDERS):
+        raise ArtifactError(f"provider must be auto, cuda or cpu, not {choice!r}")
+    if choice == "cpu":
+        return [PROVIDERS["cpu"]]
+    return [(PROVIDERS["cuda"], {"use_tf32": "0" if dtype == "float32" else "1"}), PROVIDERS["cpu"]]
+
+
+def open_session(folder: Path, manifest: dict, options: SessionOptions) -> ort.InferenceSession:
+    """The onnxruntime session on the chosen provider; `cuda` that cannot start here is an error, not a fallback."""
+    settings = ort.SessionOptions()
+    settings.graph_optimization_level = OPTIMIZATION_LEVELS[options.optimization]
+    settings.intra_op_num_threads = options.intra_op_threads
+    model_path = folder / manifest["files"]["model"]
+    if options.optimized_model_path is not None:
+        if options.optimized_model_path.is_file():
+            model_path = options.optimized_model_path
+        else:
+            settings.optimized_model_filepath = str(options.optimized_model_path)
+    if not model_path.is_file():
+        raise ArtifactError(f"{model_path} is missing; re-export the model")
+    ort.set_default_logger_severity(4)  # a CUDA provider that cannot start is reported below, not logged
+    try:
+        session = ort.InferenceSession(
+            str(model_path), settings, providers=_providers(options.provider, manifest["dtype"])
+        )
+    except Exception as error:  # onnxruntime's own exception types: a corrupt or unreadable graph
+        raise ArtifactError(f"onnxruntime cannot load {model_path}: {error}") from None
+    finally:
+        ort.set_default_logger_severity(2)
+    if options.provider == "cuda" and PROVIDERS["cuda"] not in session.get_providers():
+        raise ArtifactError("--provider cuda: CUDA is not available to onnxruntime here; use --provider cpu or auto")
+    _check_graph(session, manifest, folder)
+    return session
+
+
+@dataclass
+class Artifact:
+    folder: Path
+    manifest: dict
+    session: ort.InferenceSession
+
+    @classmethod
+    def open(cls, folder: str | Path, options: SessionOptions | None = None) -> Artifact:
+        folder = Path(folder)
+        manifest = read_manifest(folder)
+        return cls(folder, manifest, open_session(folder, manifest, options or SessionOptions()))
+
+    @property
+    def device(self) -> str:
+        return "cuda" if self.session.get_providers()[0] == PROVIDERS["cuda"] else "cpu"
+
+    @property
+    def static(self) -> bool:
+        return self.manifest["cache"]["kind"] == "static"
+
+    @property
+    def vocab_size(self) -> int:
+        return self.manifest["model"]["vocab_size"]
+
+    def past_names(self) -> list[str]:
+        return [e["name"] for e in self.manifest["inputs"] if e["name"].startswith("past_key_values.")]
+
+    def present_names(self) -> list[str]:
+        return [e["name"] for e in self.manifest["outputs"] if e["name"].startswith("present.")]
+
+    def input_spec(self, name: str) -> dict:
+        return next(e for e in self.manifest["inputs"] if e["name"] == name)

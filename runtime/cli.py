@@ -1,0 +1,77 @@
+"""`kvg-generate ARTIFACT --prompt TEXT`: generate with an exported model through onnxruntime, no torch."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from runtime.artifact import ArtifactError, SessionOptions
+from runtime.generator import GenerationConfig, Generator
+from runtime.sampling import SamplingConfig
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--ids takes comma-separated integers, got {text!r}") from None
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="kvg-generate", description=__doc__)
+    parser.add_argument("artifact", help="a folder made by kvg-export")
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
+    prompt.add_argument("--ids", action="append", type=_ids, help="prompt token ids, e.g. 1,2,3 (repeat for a batch)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--min-new-tokens", type=int, default=0)
+    parser.add_argument("--stop", type=_ids, default=[], help="extra stop token ids, comma-separated")
+    parser.add_argument("--provider", choices=("auto", "cuda", "cpu"), default="auto")
+    parser.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0: its default)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 decodes greedily")
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--stream", action="store_true", help="print tokens as they are produced")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.repetition_penalty, args.seed)
+    config = GenerationConfig(args.max_new_tokens, args.min_new_tokens, tuple(args.stop), sampling)
+    try:
+        generator = Generator.open(args.artifact, SessionOptions(args.provider, args.threads))
+        device = generator.artifact.device.upper()
+        why = " (CUDA is not usable here)" if args.provider == "auto" and device == "CPU" else ""
+        print(f"kvg-generate: {generator.artifact.folder} on {device}{why}", file=sys.stderr)
+        prompts = args.prompt or args.ids
+        if args.stream and len(prompts) == 1:
+            stream = generator.stream(prompts, config)
+            while True:
+                try:
+                    event = next(stream)
+                except StopIteration as done:
+                    result = done.value
+                    break
+                print(event.text if generator.tokenizer else f"{event.token} ", end="", flush=True)
+            print()
+        else:
+            result = generator.generate(prompts, config)
+            for row, tokens in enumerate(result.tokens):
+                print(result.text[row] if result.text is not None else ",".join(map(str, tokens)))
+    except (ArtifactError, ValueError) as error:
+        print(f"kvg-generate: error: {error}", file=sys.stderr)
+        return 2
+    first_ms = result.time_to_first_token_s * 1e3
+    print(
+        f"kvg-generate: {sum(map(len, result.tokens))} tokens, first after {first_ms:.1f} ms, "
+        f"decode {result.decode_tokens_per_s:.1f} tokens/s",
+        file=sys.stderr,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""The key/value/gate cache of one generation, held on the session's device and bound through IOBinding.
+
+Static artifacts: one buffer per cache tensor, bound as both `past_key_values.*` and `present.*`, so
+the graph's scatter updates it in place and nothing about the cache moves between steps. Shift states
+are read by the graph besides being replaced, so each has two buffers that swap roles every step.
+Dynamic artifacts: `present.*` outputs are left on the device and bound as the next step's `past_*`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+
+from runtime.artifact import NUMPY_DTYPES, Artifact
+
+
+def _is_shift(name: str) -> bool:
+    return name.endswith("_shift")
+
+
+class DeviceCache:
+    def __init__(self, artifact: Artifact, batch: int):
+        self.artifact, self.batch = artifact, batch
+        self.device = artifact.device
+        self.pairs = list(zip(artifact.past_names(), artifact.present_names(), strict=True))
+        self.past: dict[str, ort.OrtValue] = {}
+        self.spare: dict[str, ort.OrtValue] = {}  # static shift states: the buffer present is written to
+        self.reset()
+
+    def _zeros(self, name: str) -> ort.OrtValue:
+        spec = self.artifact.input_spec(name)
+        shape = [self.batch if axis == "batch" else 0 if axis == "past" else axis for axis in spec["axes"]]
+        return ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, NUMPY_DTYPES[spec["dtype"]]), self.device, 0)
+
+    def reset(self) -> None:
+        """Start a new generation.
+
+        Static buffers are allocated zeroed once and then kept: a stale slot is never attended (it lies
+        after the query, with weight exactly 0, or is rewritten first), but it must be finite, since
+        0 * NaN is NaN. Shift states restart from zero every generation.
+        """
+        for past, _ in self.pairs:
+            if not self.artifact.static or past not in self.past or _is_shift(past):
+                self.past[past] = self._zeros(past)
+            if self.artifact.static and _is_shift(past):
+                self.spare[past] = self._zeros(past)
+
+    def bind(self, binding: ort.IOBinding) -> None:
+        """Bind every past input and present output (after `logits`, which the caller binds first)."""
+        for past, present in self.pairs:
+            binding.bind_ortvalue_input(past, self.past[past])
+            if not self.artifact.static:
+                binding.bind_output(present, self.device)
+            elif _is_shift(past):
+                binding.bind_ortvalue_output(present, self.spare[past])
+            else:
+                binding.bind_ortvalue_output(present, self.past[past])
+
+    def advance(self, outputs: list[ort.OrtValue]) -> None:
+        """Make this step's presents (the outputs after logits, in binding order) the next step's pasts."""
+        if not self.artifact.static:
+            self.past = {past: value for (past, _), value in zip(self.pairs, outputs[1:], strict=True)}
+            return
+        for past in self.spare:
+            self.past[past], self.spare[past] = self.spare[past], self.past[past]

@@ -1,0 +1,223 @@
+"""The decode loop: prefill, then one token per step for every row, with the cache kept on the device.
+
+Prompts of different lengths are left-padded into one batch; a row that meets a stop token stops
+growing (it is fed padding, masked out, from then on). Tokens are streamed as they are chosen.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from runtime.artifact import Artifact, ArtifactError, SessionOptions
+from runtime.device_cache import DeviceCache
+from runtime.sampling import Sampler, SamplingConfig
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 64
+    min_new_tokens: int = 0
+    stop_tokens: tuple[int, ...] = ()  # besides the model's eos ids
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    prefill_chunk: int = 256  # static artifacts prefill longer prompts in chunks of this many tokens
+
+
+@dataclass
+class TokenEvent:
+    row: int
+    token: int
+    text: str  # the text this token completes ("" without a tokenizer, or mid-character)
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[list[int]]
+    text: list[str] | None
+    finish_reasons: list[str]  # "stop" or "length"
+    time_to_first_token_s: float
+    decode_tokens_per_s: float
+    steps: int
+    onnxruntime_s: float  # time inside session runs; the rest of the wall time is the loop's own
+    wall_s: float
+    step_logits: list[np.ndarray] = field(default_factory=list, repr=False)  # when asked: [batch, vocab] per step
+
+
+class Generator:
+    """Generation over one artifact; device buffers are kept between calls while the batch size allows."""
+
+    def __init__(self, artifact: Artifact, tokenizer: Tokenizer | None = None):
+        self.artifact, self.tokenizer = artifact, tokenizer
+        tokens = artifact.manifest["special_tokens"]
+        self.eos = tuple(tokens["eos"] or ())
+        self.pad = tokens["pad"] if tokens["pad"] is not None else (self.eos[0] if self.eos else 0)
+        self.cache: DeviceCache | None = None
+
+    @classmethod
+    def open(cls, folder: str | Path, options: SessionOptions | None = None) -> Generator:
+        artifact = Artifact.open(folder, options or SessionOptions())
+        name = artifact.manifest["files"].get("tokenizer")
+        tokenizer = Tokenizer.from_file(str(artifact.folder / name)) if name else None
+        return cls(artifact, tokenizer)
+
+    def encode(self, prompts: str | list[str] | list[list[int]]) -> list[list[int]]:
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if prompts and all(isinstance(p, str) for p in prompts):
+            if self.tokenizer is None:
+                raise ArtifactError("this artifact has no tokenizer; pass token ids instead of text")
+            return [self.tokenizer.encode(p, add_special_tokens=False).ids for p in prompts]
+        return [list(map(int, p)) for p in prompts]
+
+    def check_request(self, prompts: list[list[int]], config: GenerationConfig) -> None:
+        """Refuse what cannot run, before any work, naming the limit and the fix."""
+        limits = self.artifact.manifest["cache"]
+        vocab = self.artifact.vocab_size
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ArtifactError("empty prompt: give at least one token per row")
+        if len(prompts) > limits["max_batch"]:
+            raise ArtifactError(
+                f"batch {len(prompts)} exceeds this artifact's max batch {limits['max_batch']}; "
+                "re-export with a larger --max-batch"
+            )
+        bad = sorted({t for p in prompts for t in p if not 0 <= t < vocab})
+        if bad:
+            raise ArtifactError(f"token ids {bad[:8]} are outside the vocabulary [0, {vocab})")
+        if config.max_new_tokens < 1 or not 0 <= config.min_new_tokens <= config.max_new_tokens:
+            raise ArtifactError("need max_new_tokens >= 1 and 0 <= min_new_tokens <= max_new_tokens")
+        needed = max(map(len, prompts)) + config.max_new_tokens
+        if self.artifact.static and needed > limits["max_cache_len"]:
+            raise ArtifactError(
+                f"prompt ({max(map(len, prompts))} tokens) plus max_new_tokens ({config.max_new_tokens}) needs "
+                f"{needed} positions, over this artifact's max_cache_len {limits['max_cache_len']}; "
+                "shorten them or re-export with a larger --max-cache-len"
+            )
+        config.sampling.validate()
+
+    def generate(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        config: GenerationConfig = GenerationConfig(),
+        on_token: Callable[[TokenEvent], None] | None = None,
+        keep_logits: bool = False,
+    ) -> GenerationResult:
+        steps = self._run(self.encode(prompts), config, keep_logits, text_events=on_token is not None)
+        while True:
+            try:
+                event = next(steps)
+            except StopIteration as done:
+                return done.value
+            if on_token is not None:
+                on_token(event)
+
+    def stream(self, prompts, config: GenerationConfig = GenerationConfig()) -> Iterator[TokenEvent]:
+        """Yield each token as it is chosen; the generator's return value is the GenerationResult."""
+        return self._run(self.encode(prompts), config, keep_logits=False, text_events=True)
+
+    def _cache_for(self, batch: int) -> DeviceCache:
+        if self.cache is None or self.cache.batch != batch:
+            self.cache = DeviceCache(self.artifact, batch)
+        else:
+            self.cache.reset()
+        return self.cache
+
+    def _run(self, prompts: list[list[int]], config: GenerationConfig, keep_logits: bool, text_events: bool):
+        self.check_request(prompts, config)
+        start = time.perf_counter()
+        batch, width = len(prompts), max(map(len, prompts))
+        ids = np.full((batch, width), self.pad, dtype=np.int64)
+        mask = np.zeros((batch, width), dtype=np.int64)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt) :], mask[row, width - len(prompt) :] = prompt, 1
+        static = self.artifact.static
+        if static:  # the graph's mask spans the whole buffer; it is filled column by column
+            static_mask = np.zeros((batch, self.artifact.manifest["cache"]["max_cache_len"]), dtype=np.int64)
+        cache = self._cache_for(batch)
+        binding = self.artifact.session.io_binding()
+        sampler = Sampler(config.sampling)
+        stops = np.array(sorted(set(self.eos) | set(config.stop_tokens)), dtype=np.int64)
+        penalised = config.sampling.repetition_penalty != 1.0
+        context = [np.array(p, dtype=np.int64) for p in prompts] if penalised else None
+        generated: list[list[int]] = [[] for _ in range(batch)]
+        reasons = ["length"] * batch
+        done = np.zeros(batch, dtype=bool)
+        decoded = [""] * batch
+        ort_s, step_logits, first_token_s = 0.0, [], None
+
+        def run(chunk: np.ndarray, filled: int, want_logits: bool) -> np.ndarray | None:
+            nonlocal ort_s
+            new = chunk.shape[1]
+            binding.clear_binding_inputs()
+            binding.clear_binding_outputs()
+            binding.bind_cpu_input("input_ids", chunk)
+            if static:
+                static_mask[:, filled : filled + new] = mask[:, filled : filled + new]
+                binding.bind_cpu_input("attention_mask", static_mask)
+                binding.bind_cpu_input("cache_position", np.arange(filled, filled + new, dtype=np.int64))
+            else:
+                binding.bind_cpu_input("attention_mask", np.ascontiguousarray(mask[:, : filled + new]))
+            binding.bind_output("logits", cache.device)
+            cache.bind(binding)
+            began = time.perf_counter()
+            self.artifact.session.run_with_iobinding(binding)
+            ort_s += time.perf_counter() - began
+            outputs = binding.get_outputs()
+            cache.advance(outputs)
+            return outputs[0].numpy()[:, -1] if want_logits else None
+
+        chunk_size = config.prefill_chunk if static else width
+        starts = list(range(0, width, chunk_size))
+        for begin in starts:
+            logits = run(ids[:, begin : begin + chunk_size], begin, want_logits=begin == starts[-1])
+        filled = width
+        for step in range(config.max_new_tokens):
+            banned = stops if step < config.min_new_tokens and stops.size else None
+            if keep_logits:
+                step_logits.append(logits.copy())
+            chosen = sampler.choose(logits, context, banned)
+            chosen = np.where(done, self.pad, chosen)
+            if first_token_s is None:
+                first_token_s = time.perf_counter() - start
+            for row in np.flatnonzero(~done):
+                token = int(chosen[row])
+                generated[row].append(token)
+                if penalised:
+                    context[row] = np.append(context[row], token)
+                text = self._text_delta(row, generated[row], decoded) if text_events else ""
+                yield TokenEvent(int(row), token, text)
+                if token in stops and step + 1 >= config.min_new_tokens:
+                    done[row], reasons[row] = True, "stop"
+            if done.all() or step + 1 == config.max_new_tokens:
+                break
+            mask = np.concatenate([mask, (~done).astype(np.int64)[:, None]], axis=1)
+            logits = run(chosen[:, None].astype(np.int64), filled, want_logits=True)
+            filled += 1
+        wall = time.perf_counter() - start
+        decode_tokens = sum(max(len(g) - 1, 0) for g in generated)
+        decode_s = wall - first_token_s
+        return GenerationResult(
+            tokens=generated,
+            text=[self.tokenizer.decode(g) for g in generated] if self.tokenizer else None,
+            finish_reasons=reasons,
+            time_to_first_token_s=first_token_s,
+            decode_tokens_per_s=decode_tokens / decode_s if decode_s > 0 else float("inf"),
+            steps=max(map(len, generated)),
+            onnxruntime_s=ort_s,
+            wall_s=wall,
+            step_logits=step_logits,
+        )
+
+    def _text_delta(self, row: int, tokens: list[int], decoded: list[str]) -> str:
+        """The new text a token completes; held back while it ends mid-character."""
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(tokens)
+        if text.endswith("\ufffd"):
+            return ""
+        delta, decoded[row] = text[len(decoded[row]) :], text
+        return delta

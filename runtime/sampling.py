@@ -1,0 +1,115 @@
+"""The token-choice step of the torch-free decode loop: generate()'s logits processing and sampling, in numpy.
+
+Greedy decoding picks the same tokens as transformers' generate(); sampling draws from the same filtered distribution.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How the next token is chosen; the defaults are plain greedy decoding."""
+
+    temperature: float = 0.0  # 0 = greedy (argmax); > 0 samples from softmax(logits / temperature)
+    top_k: int = 0  # 0 = off; keeps every logit >= the k-th largest (ties at the k-th value are all kept)
+    top_p: float = 1.0  # 1.0 = off; keeps the smallest set of most probable tokens holding >= top_p probability
+    repetition_penalty: float = 1.0  # 1.0 = off; makes every token id already in the row's context less likely
+    seed: int | None = None  # seeds the numpy Generator, so a seeded run repeats its tokens exactly
+
+    def validate(self) -> None:
+        """Rejects values that transformers would reject or that make no distribution."""
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+
+
+def filtered_logits(
+    logits: np.ndarray,
+    config: SamplingConfig,
+    context: list[np.ndarray] | None = None,
+    banned: np.ndarray | None = None,
+) -> np.ndarray:
+    """The logits `Sampler.choose` picks from, processed in generate()'s order; removed tokens are -inf.
+
+    logits: [batch, vocab], the last position's; context: per row, the token ids seen so far (needed only for a
+    repetition penalty); banned: token ids forbidden for every row this step (eos ids while min_new_tokens is unmet).
+    Banning, then the repetition penalty; when sampling, then temperature, top-k and top-p. Each row depends only on
+    its own logits and context. The input is not modified. The result equals transformers' processors' except where
+    float rounding decides: a cumulative probability within rounding of 1 - top_p, or which of equal logits top-p cuts.
+    """
+    config.validate()
+    scores = np.array(logits, dtype=np.float32)
+    if scores.ndim != 2:
+        raise ValueError(f"logits must be [batch, vocab], got shape {scores.shape}")
+    if banned is not None:
+        scores[:, np.asarray(banned, dtype=np.int64)] = -np.inf
+        if np.isneginf(scores).all(axis=-1).any():
+            raise ValueError("banned forbids every token of a row: nothing is left to choose")
+    if config.repetition_penalty != 1.0:
+        _penalise_repetitions(scores, context, config.repetition_penalty)
+    if config.temperature == 0:
+        return scores
+    scores /= np.float32(config.temperature)
+    vocab = scores.shape[-1]
+    if 0 < config.top_k < vocab:
+        kth_largest = np.partition(scores, vocab - config.top_k, axis=-1)[:, vocab - config.top_k, None]
+        scores[scores < kth_largest] = -np.inf
+    if config.top_p < 1.0:
+        # TopPLogitsWarper: sort ascending, drop the tokens whose cumulative probability is <= 1 - top_p, but never
+        # the most probable one. torch's sort leaves the order of equal logits open; a stable one drops lower ids first.
+        order = np.argsort(scores, axis=-1, kind="stable")
+        ascending = np.take_along_axis(scores, order, axis=-1)
+        drop = np.cumsum(_softmax(ascending), axis=-1) <= 1 - config.top_p
+        drop[:, -1] = False
+        np.put_along_axis(scores, order, np.where(drop, -np.inf, ascending), axis=-1)
+    return scores
+
+
+def _penalise_repetitions(scores: np.ndarray, context: list[np.ndarray] | None, penalty: float) -> None:
+    """RepetitionPenaltyLogitsProcessor, in place: seen ids' positive logits are divided, negative ones multiplied."""
+    if context is None or len(context) != scores.shape[0]:
+        raise ValueError("repetition_penalty != 1 needs context: one array of seen token ids per row of logits")
+    for row, ids in zip(scores, context, strict=True):
+        seen = np.unique(np.asarray(ids, dtype=np.int64))
+        if seen.size and (seen[0] < 0 or seen[-1] >= row.size):
+            raise ValueError(f"context holds token ids outside [0, {row.size}): {seen[0]}..{seen[-1]}")
+        hit = row[seen]
+        row[seen] = np.where(hit > 0, hit / penalty, hit * penalty)
+
+
+def _softmax(scores: np.ndarray) -> np.ndarray:
+    """Row-wise softmax in float64, so the probabilities of a large vocabulary still sum to 1 closely."""
+    shifted = np.exp(scores.astype(np.float64) - scores.max(axis=-1, keepdims=True))
+    return shifted / shifted.sum(axis=-1, keepdims=True)
+
+
+class Sampler:
+    """Chooses each row's next token; it owns the random generator, so one seeded Sampler per run repeats exactly."""
+
+    def __init__(self, config: SamplingConfig) -> None:
+        config.validate()
+        self.config = config
+        self._rng = np.random.default_rng(config.seed)
+
+    def choose(
+        self, logits: np.ndarray, context: list[np.ndarray] | None = None, banned: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Next token ids [batch] int64 for logits [batch, vocab]; the arguments are those of `filtered_logits`."""
+        scores = filtered_logits(logits, self.config, context, banned)
+        if self.config.temperature == 0:
+            return scores.argmax(axis=-1).astype(np.int64)
+        probs = _softmax(scores)
+        cdf = np.cumsum(probs, axis=-1)
+        draws = self._rng.random(scores.shape[0]) * cdf[:, -1]
+        # Inverse CDF: the first id whose cumulative probability exceeds the draw. That id never has probability 0
+        # (its cdf would equal its predecessor's); the clamp covers a draw rounding up to the total.
+        tokens = (cdf <= draws[:, None]).sum(axis=-1)
+        last_possible = scores.shape[-1] - 1 - np.argmax(probs[:, ::-1] > 0, axis=-1)
+        return np.minimum(tokens, last_possible).astype(np.int64)

@@ -1,0 +1,170 @@
+"""The runtime's contract beyond parity: buffers on the device, sampling, stopping, streaming, bad input."""
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from runtime.artifact import ArtifactError, SessionOptions
+from runtime.cli import main
+from runtime.generator import GenerationConfig, Generator
+from runtime.sampling import SamplingConfig
+
+CPU = SessionOptions(provider="cpu")
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [15, 16, 17, 18, 19]]
+
+
+@pytest.fixture(scope="module")
+def static_artifact(exported):
+    return exported("fox-pro-tiny", "static")[0].path
+
+
+@pytest.fixture(scope="module")
+def dynamic_artifact(exported):
+    return exported("fox-tiny", "dynamic")[0].path
+
+
+def test_the_static_cache_is_updated_in_place_in_buffers_kept_across_calls(static_artifact):
+    generator = Generator.open(static_artifact, CPU)
+    seen = []
+
+    def record(_event):
+        seen.append({name: value.data_ptr() for name, value in generator.cache.past.items() if "shift" not in name})
+
+    generator.generate(PROMPTS, GenerationConfig(max_new_tokens=6, min_new_tokens=6), on_token=record)
+    generator.generate(PROMPTS, GenerationConfig(max_new_tokens=4, min_new_tokens=4), on_token=record)
+    assert len(seen) == 3 * (6 + 4) and all(addresses == seen[0] for addresses in seen)
+
+
+def test_chunked_prefill_of_a_static_artifact_gives_the_same_tokens(static_artifact):
+    generator = Generator.open(static_artifact, CPU)
+    whole = generator.generate(PROMPTS, GenerationConfig(max_new_tokens=8, min_new_tokens=8))
+    chunked = generator.generate(PROMPTS, GenerationConfig(max_new_tokens=8, min_new_tokens=8, prefill_chunk=3))
+    assert chunked.tokens == whole.tokens
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_seeded_sampling_is_reproducible_run_to_run(kind, static_artifact, dynamic_artifact):
+    generator = Generator.open(static_artifact if kind == "static" else dynamic_artifact, CPU)
+    runs = [
+        generator.generate(PROMPTS, GenerationConfig(16, 16, sampling=SamplingConfig(1.0, 50, 0.95, 1.1, seed)))
+        for seed in (7, 7, 8)
+    ]
+    assert runs[0].tokens == runs[1].tokens and runs[0].tokens != runs[2].tokens
+
+
+def test_a_row_that_meets_a_stop_token_stops_while_the_others_go_on(dynamic_artifact):
+    generator = Generator.open(dynamic_artifact, CPU)
+    free = generator.generate(PROMPTS, GenerationConfig(max_new_tokens=10, min_new_tokens=10))
+    stop = free.tokens[1][3]
+    first = free.tokens[1].index(stop)
+    stopped = generator.generate(PROMPTS, GenerationConfig(max_new_tokens=10, stop_tokens=(stop,)))
+    assert stopped.tokens[1] == free.tokens[1][: first + 1] and stopped.finish_reasons[1] == "stop"
+    for row in (0, 2):
+        if stop not in free.tokens[row]:
+            assert stopped.tokens[row] == free.tokens[row] and stopped.finish_reasons[row] == "length"
+
+
+def test_min_new_tokens_holds_back_stop_tokens(dynamic_artifact):
+    generator = Generator.open(dynamic_artifact, CPU)
+    free = generator.generate([PROMPTS[0]], GenerationConfig(max_new_tokens=8))
+    stop = free.tokens[0][1]
+    held = generator.generate([PROMPTS[0]], GenerationConfig(max_new_tokens=8, min_new_tokens=5, stop_tokens=(stop,)))
+    assert stop not in held.tokens[0][:5] and len(held.tokens[0]) >= 5
+
+
+def test_streaming_yields_every_token_and_the_text_in_order(dynamic_artifact):
+    generator = Generator.open(dynamic_artifact, CPU)
+    stream = generator.stream("the quick brown fox", GenerationConfig(max_new_tokens=12, min_new_tokens=12))
+    events = []
+    while True:
+        try:
+            events.append(next(stream))
+        except StopIteration as done:
+            result = done.value
+            break
+    assert [e.token for e in events] == result.tokens[0]
+    assert "".join(e.text for e in events) == result.text[0]
+    assert result.time_to_first_token_s > 0 and result.decode_tokens_per_s > 0
+
+
+def test_running_the_runtime_loads_no_torch(dynamic_artifact):
+    probe = (
+        "import sys\n"
+        "from runtime.artifact import SessionOptions\n"
+        "from runtime.generator import GenerationConfig, Generator\n"
+        f"g = Generator.open({str(dynamic_artifact)!r}, SessionOptions('cpu'))\n"
+        "assert len(g.generate('hello', GenerationConfig(max_new_tokens=4)).tokens[0]) == 4\n"
+        "heavy = ('torch', 'transformers', 'kvg_export', 'exporters')\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy))"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
+
+
+def test_the_command_line_prints_generated_text(dynamic_artifact, capsys):
+    assert main([str(dynamic_artifact), "--prompt", "hello", "--max-new-tokens", "5", "--provider", "cpu"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() and "tokens/s" in err
+
+
+@pytest.mark.parametrize(
+    ("request_kwargs", "message"),
+    [
+        (
+            dict(prompts=[list(range(3, 90))], config=GenerationConfig(max_new_tokens=20)),
+            "over this artifact's max_cache_len 96",
+        ),
+        (dict(prompts=[[5]] * 17, config=GenerationConfig(max_new_tokens=2)), "exceeds this artifact's max batch 16"),
+        (dict(prompts=[[5, 6], []], config=GenerationConfig(max_new_tokens=2)), "empty prompt"),
+        (dict(prompts=[[5, 512, -1]], config=GenerationConfig(max_new_tokens=2)), r"outside the vocabulary \[0, 512\)"),
+    ],
+)
+def test_a_request_that_cannot_run_is_refused_before_any_work(static_artifact, request_kwargs, message):
+    generator = Generator.open(static_artifact, CPU)
+    with pytest.raises(ArtifactError, match=message):
+        generator.generate(request_kwargs["prompts"], request_kwargs["config"])
+    assert generator.cache is None  # nothing was allocated
+
+
+def broken_copy(source, tmp_path, damage):
+    folder = tmp_path / "artifact"
+    shutil.copytree(source, folder)
+    damage(folder)
+    return folder
+
+
+def rename_first_past(folder):
+    manifest = json.loads((folder / "kvg_config.json").read_text())
+    manifest["inputs"][2]["name"] = "past_key_values.0.keys"
+    (folder / "kvg_config.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda f: shutil.rmtree(f), "is not an artifact folder"),
+        (lambda f: (f / "kvg_config.json").unlink(), "has no kvg_config.json"),
+        (lambda f: (f / "kvg_config.json").write_text("{not json"), "is not valid JSON"),
+        (lambda f: (f / "model.onnx").write_bytes(b"garbage"), "onnxruntime cannot load"),
+        (lambda f: (f / "model.onnx").unlink(), "model.onnx is missing"),
+        (rename_first_past, "the graph does not match kvg_config.json"),
+    ],
+    ids=["missing", "no-manifest", "corrupt-manifest", "corrupt-graph", "no-graph", "manifest-mismatch"],
+)
+def test_a_missing_or_broken_artifact_is_refused_with_a_message(dynamic_artifact, tmp_path, capsys, damage, message):
+    folder = broken_copy(dynamic_artifact, tmp_path, damage)
+    with pytest.raises(ArtifactError, match=message):
+        Generator.open(folder, CPU)
+    assert main([str(folder), "--ids", "5,6", "--provider", "cpu"]) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA, so the request is valid here")
+def test_asking_for_cuda_where_there_is_none_is_an_error(dynamic_artifact, capsys):
+    assert main([str(dynamic_artifact), "--ids", "5,6", "--provider", "cuda"]) == 2
+    assert "CUDA is not available" in capsys.readouterr().err
