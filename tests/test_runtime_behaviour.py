@@ -168,3 +168,15 @@ def test_a_missing_or_broken_artifact_is_refused_with_a_message(dynamic_artifact
 def test_asking_for_cuda_where_there_is_none_is_an_error(dynamic_artifact, capsys):
     assert main([str(dynamic_artifact), "--ids", "5,6", "--provider", "cuda"]) == 2
     assert "CUDA is not available" in capsys.readouterr().err
+
+
+def test_a_saved_optimized_graph_is_written_once_and_reused(dynamic_artifact, tmp_path):
+    optimized = tmp_path / "optimized.onnx"
+    config = GenerationConfig(max_new_tokens=6, min_new_tokens=6)
+    plain = Generator.open(dynamic_artifact, CPU).generate(PROMPTS, config)
+    first = Generator.open(dynamic_artifact, SessionOptions("cpu", optimized_model_path=optimized))
+    assert optimized.is_file()
+    written = optimized.stat().st_mtime_ns
+    second = Generator.open(dynamic_artifact, SessionOptions("cpu", optimized_model_path=optimized))
+    assert optimized.stat().st_mtime_ns == written
+    assert first.generate(PROMPTS, config).tokens == second.generate(PROMPTS, config).tokens == plain.tokens
