@@ -21,7 +21,7 @@ EXPORT = $(VENV)/bin/kvg-export "$(MODEL)" --out "$(OUT)" --cache $(CACHE) --dty
 # onnxruntime-gpu, transformers, tokenizers and this repository on PYTHONPATH.
 GPU_PYTHON ?= python3
 
-.PHONY: setup test lint format clean export generate gpu-check
+.PHONY: setup test lint format clean export generate gpu-check bench
 
 setup: $(STAMP)
 
@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[export,dev]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[export,dev,bench]"
 	touch $@
 
 test: setup
@@ -43,6 +43,10 @@ $(OUT)/kvg_config.json: | setup
 
 generate: setup $(OUT)/kvg_config.json
 	$(VENV)/bin/kvg-generate "$(OUT)" --prompt "$(PROMPT)" $(GENERATE_FLAGS)
+
+# Eager PyTorch against the runtime, side by side (see bench/README.md); BENCH_FLAGS e.g. "--runs 3".
+bench: setup
+	$(PY) bench/run.py $(BENCH_FLAGS)
 
 gpu-check:
 	PYTHONPATH=.:$$PYTHONPATH $(GPU_PYTHON) -m pytest -q -m cuda tests

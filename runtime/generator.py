@@ -44,6 +44,7 @@ class GenerationResult:
     decode_tokens_per_s: float
     steps: int
     onnxruntime_s: float  # time inside session runs; the rest of the wall time is the loop's own
+    decode_onnxruntime_s: float  # the part of onnxruntime_s spent in decode steps (after the first token)
     wall_s: float
     step_logits: list[np.ndarray] = field(default_factory=list, repr=False)  # when asked: [batch, vocab] per step
 
@@ -174,6 +175,7 @@ class Generator:
         starts = list(range(0, width, chunk_size))
         for begin in starts:
             logits = run(ids[:, begin : begin + chunk_size], begin, want_logits=begin == starts[-1])
+        prefill_ort_s = ort_s
         filled = width
         for step in range(config.max_new_tokens):
             banned = stops if step < config.min_new_tokens and stops.size else None
@@ -208,6 +210,7 @@ class Generator:
             decode_tokens_per_s=decode_tokens / decode_s if decode_s > 0 else float("inf"),
             steps=max(map(len, generated)),
             onnxruntime_s=ort_s,
+            decode_onnxruntime_s=ort_s - prefill_ort_s,
             wall_s=wall,
             step_logits=step_logits,
         )

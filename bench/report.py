@@ -1,0 +1,144 @@
+"""The readable side of a benchmark run: a markdown table with the targets marked, and PNG plots."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+TARGET_RATIOS = {"fox-small": 4.0, "fox-tiny": 13.0}  # runtime decode tokens/s over eager's, batch 1
+LOOP_SHARE = 0.05  # the loop's own time as a share of a fox-small step
+STATIC_SLOWDOWN = 1.25  # step at 200 filled: max_cache_len 2048 over max_cache_len 256
+BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+
+
+def _fmt(spread: dict, scale: float = 1.0, digits: int = 1) -> str:
+    low, mid, high = (spread[k] * scale for k in ("min", "median", "max"))
+    return f"{mid:.{digits}f} ({low:.{digits}f} to {high:.{digits}f})"
+
+
+def table(results: dict) -> str:
+    lines = [
+        "| model | batch | system | decode tok/s | vs eager dynamic | first token ms "
+        "| step ms (onnxruntime + loop) | peak RSS MB |",
+        "|---|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in results["compare"]:
+        split = ""
+        if "step_s" in row:
+            step, inside, loop = (row[k]["median"] * 1e3 for k in ("step_s", "step_onnxruntime_s", "step_loop_s"))
+            split = f"{step:.2f} ({inside:.2f} + {loop:.2f})"
+        lines.append(
+            f"| {row['model']} | {row['batch']} | {row['system']} | {_fmt(row['decode_tokens_per_s'])} | "
+            f"{row['decode_vs_eager']['median']:.2f}x | {_fmt(row['ttft_s'], 1e3)} | {split} | "
+            f"{row['peak_rss_mb']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def _step(results: dict, cache: str, length, filled: int) -> float | None:
+    for point in results["sweep"]:
+        if (point["cache"], point["max_cache_len"], point["filled"]) == (cache, length, filled):
+            return point["step_s"]["median"]
+    return None
+
+
+def targets(results: dict) -> list[str]:
+    marks = []
+    for model, wanted in TARGET_RATIOS.items():
+        best = max(
+            (
+                r
+                for r in results["compare"]
+                if r["model"] == model and r["batch"] == 1 and r["system"].startswith("runtime")
+            ),
+            key=lambda r: r["decode_vs_eager"]["median"],
+            default=None,
+        )
+        if best is not None:
+            ratio = best["decode_vs_eager"]["median"]
+            met = "met" if ratio >= wanted else "not met"
+            marks.append(
+                f"- {model}, batch 1: runtime decode at least {wanted:g}x eager: **{met}** "
+                f"({ratio:.2f}x, {best['system']})"
+            )
+    for row in results["compare"]:
+        if row["model"] == "fox-small" and row["batch"] == 1 and "step_s" in row:
+            share = row["step_loop_s"]["median"] / row["step_s"]["median"]
+            met = "met" if share < LOOP_SHARE else "not met"
+            marks.append(
+                f"- fox-small, {row['system']}: loop's own time under {LOOP_SHARE:.0%} of a step: **{met}** "
+                f"({share:.1%})"
+            )
+    long, short = _step(results, "static", 2048, 200), _step(results, "static", 256, 200)
+    if long and short:
+        met = "met" if long / short <= STATIC_SLOWDOWN else "not met"
+        marks.append(
+            f"- static step at 200 filled, max_cache_len 2048 vs 256, at most {STATIC_SLOWDOWN}x: **{met}** "
+            f"({long / short:.2f}x)"
+        )
+    dynamic, static = _step(results, "dynamic", None, 2000), _step(results, "static", 2048, 2000)
+    if dynamic and static:
+        marks.append(f"- step at 2000 filled: dynamic {dynamic * 1e3:.2f} ms, static (2048) {static * 1e3:.2f} ms")
+    return marks
+
+
+def plots(results: dict, folder: Path) -> None:
+    figure, axes = plt.subplots(1, len({r["model"] for r in results["compare"]}), figsize=(11, 4), squeeze=False)
+    for axis, model in zip(axes[0], sorted({r["model"] for r in results["compare"]}), strict=True):
+        rows = [r for r in results["compare"] if r["model"] == model]
+        labels = [f"{r['system']}\nb{r['batch']}" for r in rows]
+        axis.bar(range(len(rows)), [r["decode_tokens_per_s"]["median"] for r in rows], color="tab:blue")
+        axis.set_xticks(range(len(rows)), labels, rotation=60, fontsize=7)
+        axis.set_title(f"{model}: decode tokens/s (median)")
+    figure.tight_layout()
+    figure.savefig(folder / "tokens_per_s.png", dpi=110)
+    plt.close(figure)
+    if not results["sweep"]:
+        return
+    figure, axis = plt.subplots(figsize=(7, 4))
+    series = sorted({(p["cache"], p["max_cache_len"] or 0) for p in results["sweep"]})
+    for cache, length in series:
+        points = [p for p in results["sweep"] if p["cache"] == cache and (p["max_cache_len"] or 0) == length]
+        label = "dynamic" if cache == "dynamic" else f"static {length}"
+        axis.plot([p["filled"] for p in points], [p["step_s"]["median"] * 1e3 for p in points], marker="o", label=label)
+    axis.set_xlabel("filled positions")
+    axis.set_ylabel("decode step, ms (median)")
+    axis.set_xscale("log")
+    axis.legend()
+    axis.set_title("step time against filled length")
+    figure.tight_layout()
+    figure.savefig(folder / "step_time.png", dpi=110)
+    plt.close(figure)
+
+
+def write_report(results: dict, folder: Path, readme: Path) -> str:
+    """Write the plots and the README's results section; return the markdown."""
+    plots(results, folder)
+    settings, machine = results["settings"], results["machine"]
+    text = "\n".join(
+        [
+            BEGIN,
+            f"Run {machine['date']} on {machine['cpu']} ({machine['cores']} cores, {settings['threads']} threads), "
+            f"fp32, prompt {settings['prompt']}, {settings['new_tokens']} new tokens, median (min to max) of "
+            f"{settings['runs']} interleaved runs after {settings['warmup']} warm-up; static artifacts "
+            f"{settings['main_static_length']} long.",
+            "",
+            table(results),
+            "",
+            "Targets:",
+            *targets(results),
+            "",
+            "![decode tokens/s](results/tokens_per_s.png) ![step time](results/step_time.png)",
+            END,
+        ]
+    )
+    current = readme.read_text() if readme.is_file() else ""
+    pattern = re.compile(re.escape(BEGIN) + ".*" + re.escape(END), re.S)
+    updated = pattern.sub(lambda _: text, current) if BEGIN in current else current + "\n" + text + "\n"
+    readme.write_text(updated)
+    return text

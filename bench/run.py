@@ -1,0 +1,163 @@
+"""`make bench`: eager PyTorch against the onnxruntime runtime, side by side in one run.
+
+Each system runs in its own worker process (bench/worker.py); runs are interleaved (A B C D A B C D ...)
+after a warm-up, and each figure is the median of the runs with its min and max. A sweep then times
+one decode step against the filled length for the dynamic artifact and static artifacts of several
+lengths. Writes results/latest.json, results/*.png and the table in bench/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from importlib.metadata import version
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ARTIFACTS = HERE / ".artifacts"
+RESULTS = HERE / "results"
+SYSTEMS = ("eager-dynamic", "eager-static", "runtime-dynamic", "runtime-static")
+MAIN_STATIC_LENGTH = 512
+SWEEP_FILLS = (64, 128, 200, 256, 512, 1024, 2000)
+SWEEP_LENGTHS = (256, 1024, 2048)
+SWEEP_STEPS = 16
+
+
+class Worker:
+    def __init__(self, system: str, target: str, threads: int):
+        kind = "runtime" if system.startswith("runtime") else system
+        self.process = subprocess.Popen(
+            [sys.executable, str(HERE / "worker.py"), kind, target, str(threads)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+
+    def ask(self, request: dict) -> dict:
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError("a benchmark worker died; its error is printed above")
+        return json.loads(line)
+
+    def close(self) -> dict:
+        final = self.ask({})
+        self.process.stdin.close()
+        self.process.wait()
+        return final
+
+
+def artifact(model: str, cache: str, length: int | None) -> str:
+    """An exported artifact for the benchmark, made once and kept in bench/.artifacts."""
+    from exporters.export import ExportOptions, export_artifact
+
+    out = ARTIFACTS / (f"{model}-{cache}" + (f"-{length}" if length else ""))
+    if not (out / "kvg_config.json").is_file():
+        print(f"exporting {out.name} ...", flush=True)
+        export_artifact(ExportOptions(model, out, cache, "fp32", length, force=True), log=lambda _: None)
+    return str(out)
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def compare(model: str, batches: list[int], args, threads: int) -> list[dict]:
+    targets = {
+        "eager-dynamic": model,
+        "eager-static": model,
+        "runtime-dynamic": artifact(model, "dynamic", None),
+        "runtime-static": artifact(model, "static", MAIN_STATIC_LENGTH),
+    }
+    workers = {system: Worker(system, targets[system], threads) for system in SYSTEMS}
+    rows = []
+    try:
+        for batch in batches:
+            runs = {system: [] for system in SYSTEMS}
+            request = {"batch": batch, "prompt": args.prompt, "new_tokens": args.new_tokens}
+            for index in range(args.warmup + args.runs):
+                for system, worker in workers.items():
+                    answer = worker.ask(request)
+                    if index >= args.warmup:
+                        runs[system].append(answer)
+            for system in SYSTEMS:
+                eager = [r["decode_tokens_per_s"] for r in runs["eager-dynamic"]]
+                row = {"model": model, "batch": batch, "system": system}
+                for key in runs[system][0]:
+                    if key != "peak_rss_mb":
+                        row[key] = spread([r[key] for r in runs[system]])
+                ratios = [r["decode_tokens_per_s"] / e for r, e in zip(runs[system], eager, strict=True)]
+                row["decode_vs_eager"] = spread(ratios)  # per interleaved round, against the same round's eager
+                rows.append(row)
+            print(f"{model} batch {batch}: done", flush=True)
+    finally:
+        peaks = {system: worker.close()["peak_rss_mb"] for system, worker in workers.items()}
+    for row in rows:
+        row["peak_rss_mb"] = peaks[row["system"]]
+    return rows
+
+
+def sweep(model: str, threads: int, runs: int) -> list[dict]:
+    """Decode step time against filled length: the dynamic artifact and static ones of several lengths."""
+    points = []
+    systems = [("dynamic", None)] + [("static", length) for length in SWEEP_LENGTHS]
+    for cache, length in systems:
+        worker = Worker("runtime", artifact(model, cache, length), threads)
+        try:
+            for fill in SWEEP_FILLS:
+                if length is not None and fill + SWEEP_STEPS > length:
+                    continue
+                request = {"batch": 1, "prompt": fill, "new_tokens": SWEEP_STEPS}
+                times = [worker.ask(request)["step_s"] for _ in range(runs + 1)][1:]
+                points.append({"cache": cache, "max_cache_len": length, "filled": fill, "step_s": spread(times)})
+        finally:
+            worker.close()
+        print(f"sweep {cache} {length or ''}: done", flush=True)
+    return points
+
+
+def machine() -> dict:
+    with open("/proc/cpuinfo") as info:
+        cpu = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "")
+    packages = ("torch", "transformers", "onnx", "onnxruntime-gpu", "numpy")
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "versions": {name: version(name) for name in packages},
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--models", nargs="+", default=["fox-tiny", "fox-small"])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--sweep-model", default="fox-small")
+    args = parser.parse_args(argv)
+    threads = os.cpu_count()
+    results = {
+        "machine": machine(),
+        "settings": {**vars(args), "threads": threads, "dtype": "fp32", "main_static_length": MAIN_STATIC_LENGTH},
+        "compare": [row for model in args.models for row in compare(model, args.batches, args, threads)],
+        "sweep": sweep(args.sweep_model, threads, runs=3) if args.sweep_model else [],
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "latest.json").write_text(json.dumps(results, indent=2) + "\n")
+    from report import write_report
+
+    print(write_report(results, RESULTS, HERE / "README.md"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

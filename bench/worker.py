@@ -1,0 +1,104 @@
+"""One benchmarked system in a process of its own, so each has its own peak memory.
+
+Reads JSON requests on stdin, one per line, and answers each with one JSON line on stdout. Systems:
+`eager-dynamic` and `eager-static` (transformers generate() with the gated caches) and `runtime`
+(the onnxruntime decode loop on an artifact folder).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+
+import numpy as np
+
+
+def prompts(vocab: int, batch: int, length: int) -> list[list[int]]:
+    return np.random.default_rng(0).integers(3, vocab, (batch, length)).tolist()
+
+
+def eager_runner(model_name: str, cache: str, threads: int):
+    import torch
+    from transformers.generation.streamers import BaseStreamer
+
+    from kvg_export.presets import load_model
+
+    torch.set_num_threads(threads)
+    model = load_model(model_name)
+
+    class FirstToken(BaseStreamer):
+        """generate() hands the streamer the prompt first, then each new token: the second call is the first token."""
+
+        def __init__(self):
+            self.calls, self.at = 0, None
+
+        def put(self, value):
+            self.calls += 1
+            if self.calls == 2:
+                self.at = time.perf_counter()
+
+        def end(self):
+            pass
+
+    def run(batch: int, prompt: int, new_tokens: int) -> dict:
+        ids = torch.tensor(prompts(model.config.vocab_size, batch, prompt))
+        streamer = FirstToken()
+        options = {"cache_implementation": "static"} if cache == "static" else {}
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                do_sample=False, pad_token_id=0, streamer=streamer, **options,
+            )  # fmt: skip
+        end = time.perf_counter()
+        return {"ttft_s": streamer.at - start, "decode_tokens_per_s": batch * (new_tokens - 1) / (end - streamer.at)}
+
+    return run
+
+
+def runtime_runner(artifact: str, threads: int):
+    from runtime.artifact import SessionOptions
+    from runtime.generator import GenerationConfig, Generator
+
+    generator = Generator.open(artifact, SessionOptions(provider="cpu", intra_op_threads=threads))
+
+    def run(batch: int, prompt: int, new_tokens: int) -> dict:
+        config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+        result = generator.generate(prompts(generator.artifact.vocab_size, batch, prompt), config)
+        steps = new_tokens - 1
+        decode_s = result.wall_s - result.time_to_first_token_s
+        return {
+            "ttft_s": result.time_to_first_token_s,
+            "decode_tokens_per_s": result.decode_tokens_per_s,
+            "step_s": decode_s / steps,
+            "step_onnxruntime_s": result.decode_onnxruntime_s / steps,
+            "step_loop_s": (decode_s - result.decode_onnxruntime_s) / steps,
+        }
+
+    return run
+
+
+def peak_memory_mb() -> float:
+    """This process's peak resident memory (VmHWM): unlike getrusage's ru_maxrss it starts afresh at exec,
+    so the parent's memory before spawning this worker does not count."""
+    with open("/proc/self/status") as status:
+        return int(re.search(r"VmHWM:\s+(\d+) kB", status.read()).group(1)) / 1024
+
+
+def main() -> int:
+    system, target, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    run = (
+        runtime_runner(target, threads) if system == "runtime" else eager_runner(target, system.split("-")[1], threads)
+    )
+    for line in sys.stdin:
+        request = json.loads(line)
+        answer = run(**request) if request else {}
+        answer["peak_rss_mb"] = peak_memory_mb()
+        print(json.dumps(answer), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
