@@ -48,16 +48,23 @@ class DeviceCache:
     def bind(self, binding: ort.IOBinding) -> None:
         """Bind every past input and present output (after `logits`, which the caller binds first)."""
         for past, present in self.pairs:
-            binding.bind_ortvalue_input(past, self.past[past])
             if not self.artifact.static:
+                binding.bind_ortvalue_input(past, self.past[past])
                 binding.bind_output(present, self.device)
-            elif _is_shift(past):
-                binding.bind_ortvalue_output(present, self.spare[past])
-            else:
+            elif not _is_shift(past):
+                binding.bind_ortvalue_input(past, self.past[past])
                 binding.bind_ortvalue_output(present, self.past[past])
+        self.bind_shifts(binding)
 
-    def advance(self, outputs: list[ort.OrtValue]) -> None:
-        """Make this step's presents (the outputs after logits, in binding order) the next step's pasts."""
+    def bind_shifts(self, binding: ort.IOBinding) -> None:
+        """Static artifacts: rebind the shift states after `advance` swapped their two buffers."""
+        for past, present in self.pairs:
+            if self.artifact.static and _is_shift(past):
+                binding.bind_ortvalue_input(past, self.past[past])
+                binding.bind_ortvalue_output(present, self.spare[past])
+
+    def advance(self, outputs: list[ort.OrtValue] | None) -> None:
+        """Make this step's presents the next step's pasts (dynamic: `outputs` after logits, in binding order)."""
         if not self.artifact.static:
             self.past = {past: value for (past, _), value in zip(self.pairs, outputs[1:], strict=True)}
             return
