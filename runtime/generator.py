@@ -174,10 +174,11 @@ class Generator:
 
         decode_inputs: dict[str, ort.OrtValue] = {}  # static decode: bound once, then refreshed in place
 
-        def decode_static(token: np.ndarray, filled: int) -> np.ndarray:
-            """One static decode step with everything already bound: only the step's inputs are rewritten."""
+        def decode_static(token: np.ndarray, filled: int, live: np.ndarray) -> np.ndarray:
+            """One static decode step with everything already bound: only the step's inputs are rewritten.
+            `live` `[batch]` marks the rows still generating (a finished row's new position is masked)."""
             nonlocal ort_s
-            static_mask[:, filled] = mask[:, filled]
+            static_mask[:, filled] = live
             values = {"input_ids": token, "attention_mask": static_mask, "cache_position": np.array([filled])}
             if not decode_inputs:
                 binding.clear_binding_inputs()
@@ -226,9 +227,13 @@ class Generator:
                     done[row], reasons[row] = True, "stop"
             if done.all() or step + 1 == config.max_new_tokens:
                 break
-            mask = np.concatenate([mask, (~done).astype(np.int64)[:, None]], axis=1)
+            live = (~done).astype(np.int64)
             token = chosen[:, None].astype(np.int64)
-            logits = decode_static(token, filled) if static else run(token, filled, want_logits=True)
+            if static:  # the whole-buffer mask is written in place; no growing host copy per step
+                logits = decode_static(token, filled, live)
+            else:
+                mask = np.concatenate([mask, live[:, None]], axis=1)
+                logits = run(token, filled, want_logits=True)
             filled += 1
         wall = time.perf_counter() - start
         decode_tokens = sum(max(len(g) - 1, 0) for g in generated)
