@@ -15,7 +15,7 @@ import onnx
 from exporters.contract import CACHE_FIELDS, PAST_TEMPLATE, PRESENT_TEMPLATE, CacheLayout
 
 MANIFEST_NAME = "kvg_config.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a static graph's attention_mask is the attention window, not the buffer
 ONNX_DTYPES = {"float32": onnx.TensorProto.FLOAT, "float16": onnx.TensorProto.FLOAT16,
                "bfloat16": onnx.TensorProto.BFLOAT16, "int64": onnx.TensorProto.INT64}  # fmt: skip
 
@@ -51,7 +51,7 @@ def graph_io(config, layout: CacheLayout, dtype: str, max_cache_len: int | None)
 
     inputs = [
         _io_entry("input_ids", "int64", ["batch", "seq"]),
-        _io_entry("attention_mask", "int64", ["batch", max_cache_len if layout.static else "total"]),
+        _io_entry("attention_mask", "int64", ["batch", "window" if layout.static else "total"]),
     ]
     if layout.static:
         inputs.append(_io_entry("cache_position", "int64", ["seq"]))

@@ -32,8 +32,8 @@ def example_inputs(model: FoxForCausalLM, layout: CacheLayout, max_cache_len: in
     batch, seq = EXAMPLE_BATCH, EXAMPLE_SEQ
     length = max_cache_len if layout.static else EXAMPLE_PAST
     input_ids = torch.randint(0, model.config.vocab_size, (batch, seq))
-    if layout.static:
-        mask = torch.ones(batch, length, dtype=torch.long)
+    if layout.static:  # the mask is the attention window: the filled slots and the new ones
+        mask = torch.ones(batch, EXAMPLE_PAST + seq, dtype=torch.long)
         head = (input_ids, mask, torch.arange(EXAMPLE_PAST, EXAMPLE_PAST + seq))
     else:
         head = (input_ids, torch.ones(batch, length + seq, dtype=torch.long))
@@ -46,7 +46,9 @@ def dynamic_shapes(layout: CacheLayout, max_batch: int, max_seq: int) -> tuple:
     seq = Dim("seq", min=1, max=max_seq)
     """Shapes in the wrapper's signature: input_ids, attention_mask, then one tuple for its `*rest`."""
     if layout.static:
-        mask, rest = {0: batch}, [{0: seq}]
+        # The window stops one short of the buffer for tracing only: a full-length slice is contiguous and a
+        # shorter one is not, and torch.export guards on that. The ONNX graph is the same for every window.
+        mask, rest = {0: batch, 1: Dim("window", min=1, max=max_seq - 1)}, [{0: seq}]
         per_field = {f: {0: batch} for f in layout.fields}
     else:
         past = Dim("past", min=0, max=max_seq)
@@ -76,7 +78,7 @@ def _axis_names(layout: CacheLayout, name: str) -> list[str | None]:
     if name in ("input_ids", "logits"):
         return ["batch", "seq"] + ([None] if name == "logits" else [])
     if name == "attention_mask":
-        return ["batch", None if layout.static else "total"]
+        return ["batch", "window" if layout.static else "total"]
     if name == "cache_position":
         return ["seq"]
     if name.endswith("shift"):

@@ -29,8 +29,9 @@ class ExportableFox(nn.Module):
         return layers
 
     def forward(self, input_ids, attention_mask, *rest):
-        """input_ids `[batch, seq]`, attention_mask `[batch, past+seq]` (static: `[batch, max_cache_len]`),
-        then cache_position `[seq]` for a static graph, then the past tensors in `layout.past_names()` order.
+        """input_ids `[batch, seq]`, attention_mask `[batch, past+seq]` (static: `[batch, window]`, the filled
+        slots and the new ones), then cache_position `[seq]` for a static graph, then the past tensors in
+        `layout.past_names()` order.
         """
         cache_position, past = (rest[0], rest[1:]) if self.layout.static else (None, rest)
         layers = self._layer_tuples(past)

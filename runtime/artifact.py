@@ -15,7 +15,7 @@ import numpy as np
 import onnxruntime as ort
 
 MANIFEST_NAME = "kvg_config.json"
-SUPPORTED_FORMAT = 1
+SUPPORTED_FORMAT = 2
 NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int64": np.int64}
 ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int64)": "int64",
              "tensor(bfloat16)": "bfloat16"}  # fmt: skip
@@ -54,7 +54,8 @@ def read_manifest(folder: Path) -> dict:
         raise ArtifactError(f"{path} is not valid JSON ({error}); re-export the model") from None
     if manifest.get("format_version") != SUPPORTED_FORMAT:
         raise ArtifactError(
-            f"{path} has format_version {manifest.get('format_version')!r}; this runtime reads {SUPPORTED_FORMAT}"
+            f"{path} has format_version {manifest.get('format_version')!r}; this runtime reads {SUPPORTED_FORMAT}: "
+            "re-export the model"
         )
     return manifest
 

@@ -21,8 +21,9 @@ def _is_shift(name: str) -> bool:
 class DeviceCache:
     def __init__(self, artifact: Artifact, batch: int):
         self.artifact, self.batch = artifact, batch
-        self.device = artifact.device
+        self.device, self.static = artifact.device, artifact.static
         self.pairs = list(zip(artifact.past_names(), artifact.present_names(), strict=True))
+        self.shift_pairs = [(past, present) for past, present in self.pairs if _is_shift(past)]
         self.past: dict[str, ort.OrtValue] = {}
         self.spare: dict[str, ort.OrtValue] = {}  # static shift states: the buffer present is written to
         self.reset()
@@ -40,32 +41,32 @@ class DeviceCache:
         0 * NaN is NaN. Shift states restart from zero every generation.
         """
         for past, _ in self.pairs:
-            if not self.artifact.static or past not in self.past or _is_shift(past):
+            if not self.static or past not in self.past or _is_shift(past):
                 self.past[past] = self._zeros(past)
-            if self.artifact.static and _is_shift(past):
+            if self.static and _is_shift(past):
                 self.spare[past] = self._zeros(past)
 
     def bind(self, binding: ort.IOBinding) -> None:
         """Bind every past input and present output (after `logits`, which the caller binds first)."""
         for past, present in self.pairs:
-            if not self.artifact.static:
+            if not self.static:
                 binding.bind_ortvalue_input(past, self.past[past])
                 binding.bind_output(present, self.device)
             elif not _is_shift(past):
                 binding.bind_ortvalue_input(past, self.past[past])
                 binding.bind_ortvalue_output(present, self.past[past])
-        self.bind_shifts(binding)
+        if self.static:
+            self.bind_shifts(binding)
 
     def bind_shifts(self, binding: ort.IOBinding) -> None:
         """Static artifacts: rebind the shift states after `advance` swapped their two buffers."""
-        for past, present in self.pairs:
-            if self.artifact.static and _is_shift(past):
-                binding.bind_ortvalue_input(past, self.past[past])
-                binding.bind_ortvalue_output(present, self.spare[past])
+        for past, present in self.shift_pairs:
+            binding.bind_ortvalue_input(past, self.past[past])
+            binding.bind_ortvalue_output(present, self.spare[past])
 
     def advance(self, outputs: list[ort.OrtValue] | None) -> None:
         """Make this step's presents the next step's pasts (dynamic: `outputs` after logits, in binding order)."""
-        if not self.artifact.static:
+        if not self.static:
             self.past = {past: value for (past, _), value in zip(self.pairs, outputs[1:], strict=True)}
             return
         for past in self.spare:

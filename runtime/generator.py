@@ -92,11 +92,11 @@ class Generator:
             raise ArtifactError(f"token ids {bad[:8]} are outside the vocabulary [0, {vocab})")
         if config.max_new_tokens < 1 or not 0 <= config.min_new_tokens <= config.max_new_tokens:
             raise ArtifactError("need max_new_tokens >= 1 and 0 <= min_new_tokens <= max_new_tokens")
-        needed = max(map(len, prompts)) + config.max_new_tokens
+        needed = max(map(len, prompts)) + config.max_new_tokens - 1  # the last new token is never fed back
         if self.artifact.static and needed > limits["max_cache_len"]:
             raise ArtifactError(
                 f"prompt ({max(map(len, prompts))} tokens) plus max_new_tokens ({config.max_new_tokens}) needs "
-                f"{needed} positions, over this artifact's max_cache_len {limits['max_cache_len']}; "
+                f"{needed} cache positions, over this artifact's max_cache_len {limits['max_cache_len']}; "
                 "shorten them or re-export with a larger --max-cache-len"
             )
         config.sampling.validate()
@@ -133,16 +133,15 @@ class Generator:
         start = time.perf_counter()
         batch, width = len(prompts), max(map(len, prompts))
         ids = np.full((batch, width), self.pad, dtype=np.int64)
-        mask = np.zeros((batch, width), dtype=np.int64)
+        mask = np.zeros((batch, width + config.max_new_tokens), dtype=np.int64)  # filled column by column
         for row, prompt in enumerate(prompts):
-            ids[row, width - len(prompt) :], mask[row, width - len(prompt) :] = prompt, 1
+            ids[row, width - len(prompt) :], mask[row, width - len(prompt) : width] = prompt, 1
         static = self.artifact.static
-        if static:  # the graph's mask spans the whole buffer; it is filled column by column
-            static_mask = np.zeros((batch, self.artifact.manifest["cache"]["max_cache_len"]), dtype=np.int64)
         cache = self._cache_for(batch)
         binding = self.artifact.session.io_binding()
         sampler = Sampler(config.sampling)
-        stops = np.array(sorted(set(self.eos) | set(config.stop_tokens)), dtype=np.int64)
+        stop_ids = set(self.eos) | set(config.stop_tokens)
+        stops = np.array(sorted(stop_ids), dtype=np.int64)
         penalised = config.sampling.repetition_penalty != 1.0
         context = [np.array(p, dtype=np.int64) for p in prompts] if penalised else None
         generated: list[list[int]] = [[] for _ in range(batch)]
@@ -157,12 +156,9 @@ class Generator:
             binding.clear_binding_inputs()
             binding.clear_binding_outputs()
             binding.bind_cpu_input("input_ids", chunk)
+            binding.bind_cpu_input("attention_mask", np.ascontiguousarray(mask[:, : filled + new]))
             if static:
-                static_mask[:, filled : filled + new] = mask[:, filled : filled + new]
-                binding.bind_cpu_input("attention_mask", static_mask)
                 binding.bind_cpu_input("cache_position", np.arange(filled, filled + new, dtype=np.int64))
-            else:
-                binding.bind_cpu_input("attention_mask", np.ascontiguousarray(mask[:, : filled + new]))
             binding.bind_output("logits", cache.device)
             cache.bind(binding)
             began = time.perf_counter()
@@ -174,12 +170,11 @@ class Generator:
 
         decode_inputs: dict[str, ort.OrtValue] = {}  # static decode: bound once, then refreshed in place
 
-        def decode_static(token: np.ndarray, filled: int, live: np.ndarray) -> np.ndarray:
-            """One static decode step with everything already bound: only the step's inputs are rewritten.
-            `live` `[batch]` marks the rows still generating (a finished row's new position is masked)."""
+        def decode_static(token: np.ndarray, filled: int) -> np.ndarray:
+            """One static decode step with the cache and logits already bound: only the step's inputs change.
+            The mask is the attention window, one column longer each step, so it is the one input rebound."""
             nonlocal ort_s
-            static_mask[:, filled] = live
-            values = {"input_ids": token, "attention_mask": static_mask, "cache_position": np.array([filled])}
+            values = {"input_ids": token, "cache_position": np.array([filled], dtype=np.int64)}
             if not decode_inputs:
                 binding.clear_binding_inputs()
                 binding.clear_binding_outputs()
@@ -196,6 +191,7 @@ class Generator:
                 for name, value in values.items():
                     decode_inputs[name].update_inplace(value)
                 cache.bind_shifts(binding)
+            binding.bind_cpu_input("attention_mask", np.ascontiguousarray(mask[:, : filled + 1]))
             began = time.perf_counter()
             self.artifact.session.run_with_iobinding(binding)
             ort_s += time.perf_counter() - began
@@ -223,17 +219,13 @@ class Generator:
                     context[row] = np.append(context[row], token)
                 text = self._text_delta(row, generated[row], decoded) if text_events else ""
                 yield TokenEvent(int(row), token, text)
-                if token in stops and step + 1 >= config.min_new_tokens:
+                if token in stop_ids and step + 1 >= config.min_new_tokens:
                     done[row], reasons[row] = True, "stop"
             if done.all() or step + 1 == config.max_new_tokens:
                 break
-            live = (~done).astype(np.int64)
             token = chosen[:, None].astype(np.int64)
-            if static:  # the whole-buffer mask is written in place; no growing host copy per step
-                logits = decode_static(token, filled, live)
-            else:
-                mask = np.concatenate([mask, live[:, None]], axis=1)
-                logits = run(token, filled, want_logits=True)
+            mask[:, filled] = ~done  # a finished row's new position is masked
+            logits = decode_static(token, filled) if static else run(token, filled, want_logits=True)
             filled += 1
         wall = time.perf_counter() - start
         decode_tokens = sum(max(len(g) - 1, 0) for g in generated)

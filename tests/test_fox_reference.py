@@ -11,6 +11,7 @@ import functools
 
 import pytest
 import torch
+import torch.nn.functional as F
 from fox_reference import fox_reference_logits
 
 from kvg_export import DynamicCache, FoxConfig, FoxForCausalLM, StaticCache
@@ -137,14 +138,23 @@ def make_cache(kind: str, model: FoxForCausalLM):
 
 
 @torch.no_grad()
-def prefill_then_decode(model, ids, mask, cache) -> torch.Tensor:
-    """Logits `[B, SEQ, vocab]`: the first PREFILL tokens in one call, then one call per token."""
-    out = model(ids[:, :PREFILL], attention_mask=None if mask is None else mask[:, :PREFILL], past_key_values=cache)
+def prefill_then_decode(model, ids, mask, cache, whole_buffer: bool = False) -> torch.Tensor:
+    """Logits `[B, SEQ, vocab]`: the first PREFILL tokens in one call, then one call per token.
+
+    Each call's mask stops after its new tokens (a static cache attends over that window), or with
+    `whole_buffer` is zero-extended to the static cache's length, so the whole buffer is attended.
+    """
+
+    def mask_until(stop: int) -> torch.Tensor | None:
+        if mask is None:
+            return None
+        return F.pad(mask[:, :stop], (0, cache.max_cache_len - stop)) if whole_buffer else mask[:, :stop]
+
+    out = model(ids[:, :PREFILL], attention_mask=mask_until(PREFILL), past_key_values=cache)
     assert out.past_key_values is cache
     logits = [out.logits]
     for t in range(PREFILL, SEQ):
-        step_mask = None if mask is None else mask[:, : t + 1]
-        out = model(ids[:, t : t + 1], attention_mask=step_mask, past_key_values=cache, use_cache=True)
+        out = model(ids[:, t : t + 1], attention_mask=mask_until(t + 1), past_key_values=cache, use_cache=True)
         assert out.past_key_values is cache
         logits.append(out.logits)
     return torch.cat(logits, dim=1)
@@ -189,11 +199,12 @@ def test_decode(option, cache_kind):
 
 
 @option_param
-@pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
+@pytest.mark.parametrize("cache_kind", ["dynamic", "static", "static-whole-buffer"])
 def test_left_padded_batch(option, cache_kind):
     model = build(option)
     ids, mask = padded_batch(3)
-    logits = prefill_then_decode(model, ids, mask, make_cache(cache_kind, model))
+    whole_buffer = cache_kind == "static-whole-buffer"
+    logits = prefill_then_decode(model, ids, mask, make_cache(cache_kind, model), whole_buffer)
     for row, start in ((0, PAD), (1, 0)):
         expected = reference(model, ids[row, start:])
         for t in range(start, SEQ):
@@ -239,3 +250,11 @@ def test_extreme_gates(option, key, value):
     logits = prefill_then_decode(model, ids, mask, DynamicCache())
     assert_matches(logits[0, PAD:], reference(model, ids[0, PAD:]), f"{option} bias {value} padded row 0")
     assert_matches(logits[1], reference(model, ids[1]), f"{option} bias {value} padded row 1")
+
+
+def test_a_static_mask_that_stops_before_the_new_tokens_is_refused():
+    model = build("base")
+    ids = token_ids(2)[:, :PREFILL]
+    cache = make_cache("static", model)
+    with pytest.raises(ValueError, match="must cover every filled slot and the new tokens"):
+        model(ids, attention_mask=torch.ones(1, PREFILL - 1, dtype=torch.long), past_key_values=cache)

@@ -1,5 +1,7 @@
 """The runtime generates exactly what eager PyTorch generate() does, for every preset and cache kind."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -19,7 +21,7 @@ def random_prompts(lengths, vocab, seed):
     return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in lengths]
 
 
-def eager_generate(model, prompts):
+def eager_generate(model, prompts, new_tokens=NEW_TOKENS):
     """transformers' generate() on a left-padded batch: the new tokens and the raw logits of each step."""
     width = max(map(len, prompts))
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -28,7 +30,7 @@ def eager_generate(model, prompts):
         ids[row, width - len(prompt) :], mask[row, width - len(prompt) :] = torch.tensor(prompt), 1
     with torch.no_grad():
         out = model.generate(
-            ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+            ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
             pad_token_id=0, output_logits=True, return_dict_in_generate=True,
         )  # fmt: skip
     return out.sequences[:, width:].tolist(), [step.float().numpy() for step in out.logits]
@@ -56,6 +58,21 @@ def check_parity(exported, preset, cache, prompt_kind, provider):
     want_tokens, want_logits = eager_generate(model, prompts)
     generator = Generator.open(result.path, SessionOptions(provider=provider))
     assert generator.artifact.device == provider
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+    got = generator.generate(prompts, config, keep_logits=True)
+    assert got.tokens == want_tokens
+    worst = max(float(np.abs(g - w).max()) for g, w in zip(got.step_logits, want_logits, strict=True))
+    assert worst < TOLERANCES["float32"]
+
+
+def test_a_static_artifact_fills_its_buffer_to_the_last_slot(exported):
+    """The last step attends over the whole buffer, a window one longer than the export traced."""
+    result, _ = exported("fox-tiny", "static")
+    length = json.loads((result.path / "kvg_config.json").read_text())["cache"]["max_cache_len"]
+    model = load_model("fox-tiny")
+    prompts = random_prompts([length + 1 - NEW_TOKENS, 7], model.config.vocab_size, seed=3)
+    want_tokens, want_logits = eager_generate(model, prompts)
+    generator = Generator.open(result.path, SessionOptions(provider="cpu"))
     config = GenerationConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
     got = generator.generate(prompts, config, keep_logits=True)
     assert got.tokens == want_tokens

@@ -35,7 +35,7 @@ def forgetting_attention(
     scores = torch.matmul(query * scale, keys.transpose(-1, -2)).float()
 
     decay = torch.cumsum(log_gates.float(), dim=-1)  # [batch, heads, kv_len]
-    scores = scores + (decay[..., query_positions].unsqueeze(-1) - decay.unsqueeze(-2))
+    scores = scores + (decay.index_select(-1, query_positions).unsqueeze(-1) - decay.unsqueeze(-2))
 
     key_slots = torch.arange(keys.shape[2], device=query.device)
     allowed = key_slots.unsqueeze(0) <= query_positions.unsqueeze(-1)  # [seq, kv_len]

@@ -14,9 +14,13 @@ QK_NORM_EPS = 1e-5  # the official q/k norms use their class default, not config
 
 
 def rms_normalize(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x^2) + eps) * weight over the last dim, in float32, returned in x's dtype."""
+    """x / sqrt(mean(x^2) + eps) * weight over the last dim, in float32, returned in x's dtype.
+
+    Written with a division, not rsqrt: onnxruntime fuses Pow-ReduceMean-Add-Sqrt-Div-Mul into one
+    SimplifiedLayerNormalization, but not the Reciprocal that rsqrt lowers to.
+    """
     x32 = x.float()
-    scaled = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    scaled = x32 / torch.sqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return (scaled * weight.float()).to(x.dtype)
 
 

@@ -123,6 +123,9 @@ class ForgettingAttention(nn.Module):
             keys, values, log_gates = cache.update(
                 keys, values, log_gates, self.layer_idx, {"cache_position": cache_position}
             )
+        if isinstance(cache, StaticCache) and key_mask is not None:  # attend over the mask's window only
+            window = key_mask.shape[-1]
+            keys, values, log_gates = keys[:, :, :window], values[:, :, :window], log_gates[..., :window]
         out = forgetting_attention(query, keys, values, log_gates, cache_position, key_mask).transpose(1, 2)
         if self.config.use_output_norm:
             out = self.output_norm(out)
@@ -184,23 +187,32 @@ class FoxPreTrainedModel(PreTrainedModel):
 
 
 def mask_layout(
-    attention_mask: torch.Tensor | None, cache_position: torch.Tensor, kv_length: int, batch: int
+    attention_mask: torch.Tensor | None, cache_position: torch.Tensor, kv_length: int, batch: int, windowed: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """RoPE positions `[batch, seq]`, new-token flags `[batch, seq]` and key flags `[batch, kv_length]`.
+    """RoPE positions `[batch, seq]`, new-token flags `[batch, seq]` and key flags `[batch, window]`.
 
-    `attention_mask` `[batch, filled]` marks real tokens (0 = padding); a static cache's mask may stop
-    at the filled length and is extended with zeros (those slots are in the future, masked anyway).
-    Positions count real tokens, so a left-padded row's first token is at position 0.
+    `attention_mask` `[batch, filled]` marks real tokens (0 = padding). A `windowed` (static) cache is
+    attended over the mask's length only, so a step's cost follows the filled length, not the buffer's;
+    the mask must then reach past the new tokens. Otherwise the window is the whole cache (`kv_length`)
+    and a shorter mask is extended with zeros. Positions count real tokens, so a left-padded row's first
+    token is at position 0.
     """
     if attention_mask is None:
         return cache_position.unsqueeze(0).expand(batch, -1), None, None
-    if not torch.compiler.is_compiling() and attention_mask.shape[-1] != kv_length:
-        if attention_mask.shape[-1] > kv_length:
-            raise ValueError(f"attention_mask covers {attention_mask.shape[-1]} positions; the cache holds {kv_length}")
-        attention_mask = F.pad(attention_mask, (0, kv_length - attention_mask.shape[-1]))
+    length = attention_mask.shape[-1]
+    if not torch.compiler.is_compiling():
+        if length > kv_length:
+            raise ValueError(f"attention_mask covers {length} positions; the cache holds {kv_length}")
+        if windowed and int(cache_position[-1]) >= length:
+            raise ValueError(
+                f"attention_mask covers {length} positions but a new token goes to slot {int(cache_position[-1])}; "
+                "a static cache's mask must cover every filled slot and the new tokens"
+            )
+        if not windowed and length < kv_length:
+            attention_mask = F.pad(attention_mask, (0, kv_length - length))
     key_mask = attention_mask.bool()
-    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, cache_position]
-    return positions, key_mask[:, cache_position], key_mask
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0).index_select(-1, cache_position)
+    return positions, key_mask.index_select(-1, cache_position), key_mask
 
 
 class FoxModel(FoxPreTrainedModel):
@@ -241,7 +253,8 @@ class FoxModel(FoxPreTrainedModel):
             past = cache.get_seq_length() if cache is not None else 0
             cache_position = torch.arange(past, past + seq, device=hidden.device)
         kv_length = cache.get_mask_sizes(cache_position)[0] if cache is not None else seq
-        positions, keep, key_mask = mask_layout(attention_mask, cache_position, kv_length, batch)
+        windowed = isinstance(cache, StaticCache)
+        positions, keep, key_mask = mask_layout(attention_mask, cache_position, kv_length, batch, windowed)
         for block in self.layers:
             hidden = block(hidden, positions, cache_position, keep, key_mask, cache)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden), past_key_values=cache)
