@@ -56,9 +56,17 @@ class DeviceCache:
                 binding.bind_ortvalue_input(past, self.past[past])
                 binding.bind_ortvalue_output(present, self.past[past])
         if self.static:
-            self.bind_shifts(binding)
+            self._bind_shifts(binding)
 
-    def bind_shifts(self, binding: ort.IOBinding) -> None:
+    def rebind(self, binding: ort.IOBinding) -> None:
+        """Between decode steps: a dynamic cache's pasts are the last presents, bound with fresh outputs;
+        a static cache only swaps its shift-state buffers."""
+        if self.static:
+            self._bind_shifts(binding)
+        else:
+            self.bind(binding)
+
+    def _bind_shifts(self, binding: ort.IOBinding) -> None:
         """Static artifacts: rebind the shift states after `advance` swapped their two buffers."""
         for past, present in self.shift_pairs:
             binding.bind_ortvalue_input(past, self.past[past])

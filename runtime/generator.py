@@ -150,7 +150,7 @@ class Generator:
         decoded = [""] * batch
         ort_s, step_logits, first_token_s = 0.0, [], None
 
-        def run(chunk: np.ndarray, filled: int, want_logits: bool) -> np.ndarray | None:
+        def prefill(chunk: np.ndarray, filled: int, want_logits: bool) -> np.ndarray | None:
             nonlocal ort_s
             new = chunk.shape[1]
             binding.clear_binding_inputs()
@@ -168,13 +168,15 @@ class Generator:
             cache.advance(outputs)
             return outputs[0].numpy()[:, -1] if want_logits else None
 
-        decode_inputs: dict[str, ort.OrtValue] = {}  # static decode: bound once, then refreshed in place
+        decode_inputs: dict[str, ort.OrtValue] = {}  # ids, position and logits: bound once, refreshed in place
 
-        def decode_static(token: np.ndarray, filled: int) -> np.ndarray:
-            """One static decode step with the cache and logits already bound: only the step's inputs change.
-            The mask is the attention window, one column longer each step, so it is the one input rebound."""
+        def decode(token: np.ndarray, filled: int) -> np.ndarray:
+            """One decode step. Ids, cache position and logits keep their buffers from step to step; the mask
+            (one column longer each step) and what the cache changed are the only bindings renewed."""
             nonlocal ort_s
-            values = {"input_ids": token, "cache_position": np.array([filled], dtype=np.int64)}
+            values = {"input_ids": token}
+            if static:
+                values["cache_position"] = np.array([filled], dtype=np.int64)
             if not decode_inputs:
                 binding.clear_binding_inputs()
                 binding.clear_binding_outputs()
@@ -190,18 +192,18 @@ class Generator:
             else:
                 for name, value in values.items():
                     decode_inputs[name].update_inplace(value)
-                cache.bind_shifts(binding)
+                cache.rebind(binding)
             binding.bind_cpu_input("attention_mask", np.ascontiguousarray(mask[:, : filled + 1]))
             began = time.perf_counter()
             self.artifact.session.run_with_iobinding(binding)
             ort_s += time.perf_counter() - began
-            cache.advance(None)
+            cache.advance(None if static else binding.get_outputs())
             return decode_inputs["logits"].numpy()[:, -1]
 
         chunk_size = config.prefill_chunk if static else width
         starts = list(range(0, width, chunk_size))
         for begin in starts:
-            logits = run(ids[:, begin : begin + chunk_size], begin, want_logits=begin == starts[-1])
+            logits = prefill(ids[:, begin : begin + chunk_size], begin, want_logits=begin == starts[-1])
         prefill_ort_s = ort_s
         filled = width
         for step in range(config.max_new_tokens):
@@ -225,7 +227,7 @@ class Generator:
                 break
             token = chosen[:, None].astype(np.int64)
             mask[:, filled] = ~done  # a finished row's new position is masked
-            logits = decode_static(token, filled) if static else run(token, filled, want_logits=True)
+            logits = decode(token, filled)
             filled += 1
         wall = time.perf_counter() - start
         decode_tokens = sum(max(len(g) - 1, 0) for g in generated)
