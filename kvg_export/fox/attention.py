@@ -18,14 +18,15 @@ def forgetting_attention(
     values: torch.Tensor,
     log_gates: torch.Tensor,
     query_positions: torch.Tensor,
-    key_mask: torch.Tensor | None = None,
+    allowed: torch.Tensor,
 ) -> torch.Tensor:
     """Attend from new queries to every cached position.
 
     query `[batch, heads, seq, head_dim]`; keys, values `[batch, kv_heads, kv_len, head_dim]`;
     log_gates `[batch, heads, kv_len]` float32; query_positions `[seq]`, each query's slot in the cache;
-    key_mask `[batch, kv_len]`, true where a key is a real token (false for padding). A key attends only
-    from queries at or after its slot. Returns `[batch, heads, seq, head_dim]` in the values' dtype.
+    allowed `[batch or 1, 1, seq, kv_len]`, true where a query may attend a key (a real token at or before
+    the query's slot; see `modeling.attention_pattern`). Returns `[batch, heads, seq, head_dim]` in the
+    values' dtype.
     """
     heads, kv_heads = query.shape[1], keys.shape[1]
     if heads != kv_heads:
@@ -36,11 +37,6 @@ def forgetting_attention(
 
     decay = torch.cumsum(log_gates.float(), dim=-1)  # [batch, heads, kv_len]
     scores = scores + (decay.index_select(-1, query_positions).unsqueeze(-1) - decay.unsqueeze(-2))
-
-    key_slots = torch.arange(keys.shape[2], device=query.device)
-    allowed = key_slots.unsqueeze(0) <= query_positions.unsqueeze(-1)  # [seq, kv_len]
-    if key_mask is not None:
-        allowed = allowed & key_mask.bool()[:, None, None, :]
-    scores = scores.masked_fill(~allowed, torch.finfo(torch.float32).min)
+    scores = torch.where(allowed, scores, torch.finfo(torch.float32).min)
     weights = torch.softmax(scores, dim=-1).to(values.dtype)
     return torch.matmul(weights, values)

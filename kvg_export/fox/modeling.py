@@ -102,10 +102,11 @@ class ForgettingAttention(nn.Module):
         positions: torch.Tensor,
         cache_position: torch.Tensor,
         keep: torch.Tensor | None,
-        key_mask: torch.Tensor | None,
+        allowed: torch.Tensor,
         cache: GatedCache | None,
     ) -> torch.Tensor:
-        """x `[batch, seq, hidden]`; positions `[batch, seq]` (RoPE); keep `[batch, seq]` real tokens."""
+        """x `[batch, seq, hidden]`; positions `[batch, seq]` (RoPE); keep `[batch, seq]` real tokens;
+        allowed `[batch or 1, 1, seq, window]` the attention pattern."""
         batch, seq, _ = x.shape
         query = self.q_proj(x).view(batch, seq, self.heads, self.head_dim)
         keys = self._project("k_proj", x, keep, cache).view(batch, seq, self.kv_heads, self.head_dim)
@@ -123,10 +124,10 @@ class ForgettingAttention(nn.Module):
             keys, values, log_gates = cache.update(
                 keys, values, log_gates, self.layer_idx, {"cache_position": cache_position}
             )
-        if isinstance(cache, StaticCache) and key_mask is not None:  # attend over the mask's window only
-            window = key_mask.shape[-1]
+        if isinstance(cache, StaticCache):  # attended over the pattern's window, not the whole buffer
+            window = allowed.shape[-1]
             keys, values, log_gates = keys[:, :, :window], values[:, :, :window], log_gates[..., :window]
-        out = forgetting_attention(query, keys, values, log_gates, cache_position, key_mask).transpose(1, 2)
+        out = forgetting_attention(query, keys, values, log_gates, cache_position, allowed).transpose(1, 2)
         if self.config.use_output_norm:
             out = self.output_norm(out)
         out = out.reshape(batch, seq, self.heads * self.head_dim)
@@ -186,10 +187,12 @@ class FoxPreTrainedModel(PreTrainedModel):
         return super().from_pretrained(pretrained_model_name_or_path, *args, use_safetensors=not allow_pickle, **kwargs)
 
 
-def mask_layout(
+def attention_pattern(
     attention_mask: torch.Tensor | None, cache_position: torch.Tensor, kv_length: int, batch: int, windowed: bool
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """RoPE positions `[batch, seq]`, new-token flags `[batch, seq]` and key flags `[batch, window]`.
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """RoPE positions `[batch, seq]`, new-token flags `[batch, seq]` (None without a mask) and the attention
+    pattern `[batch or 1, 1, seq, window]`: true where a query may attend a key slot, a real token at or
+    before the query's own slot. Built once per forward and shared by every layer.
 
     `attention_mask` `[batch, filled]` marks real tokens (0 = padding). A `windowed` (static) cache is
     attended over the mask's length only, so a step's cost follows the filled length, not the buffer's;
@@ -198,7 +201,9 @@ def mask_layout(
     token is at position 0.
     """
     if attention_mask is None:
-        return cache_position.unsqueeze(0).expand(batch, -1), None, None
+        slots = torch.arange(kv_length, device=cache_position.device)
+        causal = slots.unsqueeze(0) <= cache_position.unsqueeze(-1)
+        return cache_position.unsqueeze(0).expand(batch, -1), None, causal[None, None]
     length = attention_mask.shape[-1]
     if not torch.compiler.is_compiling():
         if length > kv_length:
@@ -211,8 +216,10 @@ def mask_layout(
         if not windowed and length < kv_length:
             attention_mask = F.pad(attention_mask, (0, kv_length - length))
     key_mask = attention_mask.bool()
+    slots = torch.arange(key_mask.shape[-1], device=cache_position.device)
+    allowed = (slots.unsqueeze(0) <= cache_position.unsqueeze(-1))[None, None] & key_mask[:, None, None, :]
     positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0).index_select(-1, cache_position)
-    return positions, key_mask.index_select(-1, cache_position), key_mask
+    return positions, key_mask.index_select(-1, cache_position), allowed
 
 
 class FoxModel(FoxPreTrainedModel):
@@ -254,9 +261,9 @@ class FoxModel(FoxPreTrainedModel):
             cache_position = torch.arange(past, past + seq, device=hidden.device)
         kv_length = cache.get_mask_sizes(cache_position)[0] if cache is not None else seq
         windowed = isinstance(cache, StaticCache)
-        positions, keep, key_mask = mask_layout(attention_mask, cache_position, kv_length, batch, windowed)
+        positions, keep, allowed = attention_pattern(attention_mask, cache_position, kv_length, batch, windowed)
         for block in self.layers:
-            hidden = block(hidden, positions, cache_position, keep, key_mask, cache)
+            hidden = block(hidden, positions, cache_position, keep, allowed, cache)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden), past_key_values=cache)
 
 
