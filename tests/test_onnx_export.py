@@ -12,18 +12,27 @@ from exporters.wrappers import ExportableFox
 from kvg_export import DynamicCache, FoxConfig, FoxForCausalLM
 
 PRO = dict(use_k_shift=True, use_v_shift=True, qk_norm=True, use_output_gate=True, use_output_norm=True, use_rope=True)
-CONFIGS = {"pro-gqa": dict(PRO, num_kv_heads=2)}  # plain FoX presets are exported in test_export_artifact
+# Plain FoX presets are exported in test_export_artifact. "saturated-gates" sets layer 0's forget-gate bias to
+# -200 (f ~ exp(-200): each token attends itself) and layer 1's to +200 (f ~ 1: no decay), the ends of the
+# gate's range, where a cut-off or an underflow in the lowered log-sigmoid would show.
+CONFIGS = {"pro-gqa": dict(PRO, num_kv_heads=2), "saturated-gates": {}}
+SATURATED_BIASES = (-200.0, 200.0)
 MAX_CACHE_LEN = 24
 FP32_TOLERANCE = 1e-4  # DESIGN.md target for fp32 exports; measured errors are ~1e-6
 
 
-def small_model(options):
+def small_model(name):
     torch.manual_seed(5)
     config = FoxConfig(
         vocab_size=80, hidden_size=32, num_hidden_layers=2, num_heads=4, intermediate_size=48,
-        initializer_range=0.2, pad_token_id=0, **options,
+        initializer_range=0.2, pad_token_id=0, **CONFIGS[name],
     )  # fmt: skip
-    return FoxForCausalLM(config).eval()
+    model = FoxForCausalLM(config).eval()
+    if name == "saturated-gates":
+        with torch.no_grad():
+            for layer, bias in zip(model.model.layers, SATURATED_BIASES, strict=True):
+                layer.attn.fgate_proj.bias.fill_(bias)
+    return model
 
 
 @pytest.fixture(
@@ -31,7 +40,7 @@ def small_model(options):
 )
 def exported(request, tmp_path_factory):
     name, kind = request.param
-    model = small_model(CONFIGS[name])
+    model = small_model(name)
     config = model.config
     layout = cache_layout(config, static=kind == "static")
     program, example = export_program(model, layout, max_cache_len=MAX_CACHE_LEN if layout.static else None)
@@ -98,9 +107,9 @@ def test_onnxruntime_matches_eager_through_prefill_and_decode_of_a_left_padded_b
     assert np.abs(got - want)[real].max() < FP32_TOLERANCE
 
 
-@pytest.mark.parametrize("options", CONFIGS.values(), ids=CONFIGS.keys())
-def test_the_dynamic_wrapper_returns_the_cache_eager_decoding_builds(options):
-    model = small_model(options)
+@pytest.mark.parametrize("name", CONFIGS)
+def test_the_dynamic_wrapper_returns_the_cache_eager_decoding_builds(name):
+    model = small_model(name)
     layout = cache_layout(model.config, static=False)
     ids = torch.randint(3, 80, (2, 4))
     mask = torch.ones(2, 4, dtype=torch.long)
