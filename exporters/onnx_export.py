@@ -20,6 +20,7 @@ from exporters.wrappers import ExportableFox
 from kvg_export import FoxForCausalLM
 
 EXAMPLE_BATCH, EXAMPLE_PAST, EXAMPLE_SEQ = 2, 3, 4
+DEFAULT_OPSET = 20
 
 
 def _softplus(x, beta: float = 1.0, threshold: float = 20.0):
@@ -30,8 +31,6 @@ def _softplus(x, beta: float = 1.0, threshold: float = 20.0):
         return op.Softplus(x)
     scale = op.CastLike(beta, x)
     return op.Div(op.Softplus(op.Mul(x, scale)), scale)
-
-DEFAULT_OPSET = 20
 
 
 def _cache_tensor(model: FoxForCausalLM, field: str, batch: int, length: int) -> torch.Tensor:
