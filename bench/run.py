@@ -103,21 +103,30 @@ def compare(model: str, batches: list[int], args, threads: int) -> list[dict]:
 
 
 def sweep(model: str, threads: int, runs: int) -> list[dict]:
-    """Decode step time against filled length: the dynamic artifact and static ones of several lengths."""
-    points = []
+    """Decode step time against filled length: the dynamic artifact and static ones of several lengths.
+
+    All systems run at once and each filled length is timed in interleaved rounds, so the ratio of two
+    artifacts at one length (the static-length target) is taken under the same machine load.
+    """
     systems = [("dynamic", None)] + [("static", length) for length in SWEEP_LENGTHS]
-    for cache, length in systems:
-        worker = Worker("runtime", artifact(model, cache, length), threads)
-        try:
-            for fill in SWEEP_FILLS:
-                if length is not None and fill + SWEEP_STEPS > length:
-                    continue
-                request = {"batch": 1, "prompt": fill, "new_tokens": SWEEP_STEPS}
-                times = [worker.ask(request)["step_s"] for _ in range(runs + 1)][1:]
-                points.append({"cache": cache, "max_cache_len": length, "filled": fill, "step_s": spread(times)})
-        finally:
+    workers = {system: Worker("runtime", artifact(model, *system), threads) for system in systems}
+    points = []
+    try:
+        for fill in SWEEP_FILLS:
+            fitting = [(c, n) for c, n in systems if n is None or fill + SWEEP_STEPS <= n]
+            request = {"batch": 1, "prompt": fill, "new_tokens": SWEEP_STEPS}
+            times = {system: [] for system in fitting}
+            for index in range(runs + 1):
+                for system in fitting:
+                    step = workers[system].ask(request)["step_s"]
+                    if index:  # the first round warms up
+                        times[system].append(step)
+            for (cache, length), measured in times.items():
+                points.append({"cache": cache, "max_cache_len": length, "filled": fill, "step_s": spread(measured)})
+            print(f"sweep {fill} filled: done", flush=True)
+    finally:
+        for worker in workers.values():
             worker.close()
-        print(f"sweep {cache} {length or ''}: done", flush=True)
     return points
 
 
