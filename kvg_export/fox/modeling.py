@@ -200,12 +200,8 @@ def attention_pattern(
     and a shorter mask is extended with zeros. Positions count real tokens, so a left-padded row's first
     token is at position 0.
     """
-    if attention_mask is None:
-        slots = torch.arange(kv_length, device=cache_position.device)
-        causal = slots.unsqueeze(0) <= cache_position.unsqueeze(-1)
-        return cache_position.unsqueeze(0).expand(batch, -1), None, causal[None, None]
-    length = attention_mask.shape[-1]
-    if not torch.compiler.is_compiling():
+    if attention_mask is not None and not torch.compiler.is_compiling():
+        length = attention_mask.shape[-1]
         if length > kv_length:
             raise ValueError(f"attention_mask covers {length} positions; the cache holds {kv_length}")
         if windowed and int(cache_position[-1]) >= length:
@@ -215,11 +211,14 @@ def attention_pattern(
             )
         if not windowed and length < kv_length:
             attention_mask = F.pad(attention_mask, (0, kv_length - length))
+    window = kv_length if attention_mask is None else attention_mask.shape[-1]
+    slots = torch.arange(window, device=cache_position.device)
+    causal = (slots.unsqueeze(0) <= cache_position.unsqueeze(-1))[None, None]
+    if attention_mask is None:
+        return cache_position.unsqueeze(0).expand(batch, -1), None, causal
     key_mask = attention_mask.bool()
-    slots = torch.arange(key_mask.shape[-1], device=cache_position.device)
-    allowed = (slots.unsqueeze(0) <= cache_position.unsqueeze(-1))[None, None] & key_mask[:, None, None, :]
     positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0).index_select(-1, cache_position)
-    return positions, key_mask.index_select(-1, cache_position), allowed
+    return positions, key_mask.index_select(-1, cache_position), causal & key_mask[:, None, None, :]
 
 
 class FoxModel(FoxPreTrainedModel):
