@@ -55,7 +55,7 @@ def read_manifest(folder: Path) -> dict:
     if manifest.get("format_version") != SUPPORTED_FORMAT:
         raise ArtifactError(
             f"{path} has format_version {manifest.get('format_version')!r}; this runtime reads {SUPPORTED_FORMAT}: "
-            "re-export the model"
+            f"re-export the model (`kvg-export MODEL --out {folder} --force`)"
         )
     return manifest
 

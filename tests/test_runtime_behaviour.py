@@ -144,6 +144,12 @@ def rename_first_past(folder):
     (folder / "kvg_config.json").write_text(json.dumps(manifest))
 
 
+def from_an_older_exporter(folder):
+    manifest = json.loads((folder / "kvg_config.json").read_text())
+    manifest["format_version"] = 1  # a static mask then spanned the whole buffer
+    (folder / "kvg_config.json").write_text(json.dumps(manifest))
+
+
 @pytest.mark.parametrize(
     ("damage", "message"),
     [
@@ -153,8 +159,9 @@ def rename_first_past(folder):
         (lambda f: (f / "model.onnx").write_bytes(b"garbage"), "onnxruntime cannot load"),
         (lambda f: (f / "model.onnx").unlink(), "model.onnx is missing"),
         (rename_first_past, "the graph does not match kvg_config.json"),
+        (from_an_older_exporter, r"format_version 1; this runtime reads 2: re-export the model"),
     ],
-    ids=["missing", "no-manifest", "corrupt-manifest", "corrupt-graph", "no-graph", "manifest-mismatch"],
+    ids=["missing", "no-manifest", "corrupt-manifest", "corrupt-graph", "no-graph", "manifest-mismatch", "old-format"],
 )
 def test_a_missing_or_broken_artifact_is_refused_with_a_message(dynamic_artifact, tmp_path, capsys, damage, message):
     folder = broken_copy(dynamic_artifact, tmp_path, damage)
