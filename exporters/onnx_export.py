@@ -23,7 +23,7 @@ EXAMPLE_BATCH, EXAMPLE_PAST, EXAMPLE_SEQ = 2, 3, 4
 DEFAULT_OPSET = 20
 
 
-def _softplus(x, beta: float = 1.0, threshold: float = 20.0):
+def lower_softplus(x, beta: float = 1.0, threshold: float = 20.0):
     """aten.softplus as one ONNX Softplus. torch switches to the identity above `threshold` for its own
     formula's sake; onnxruntime's Softplus is exact over float32's whole range (measured against float64
     from -200 to 200), so the exporter's Greater and Where per call are left out."""
@@ -115,7 +115,7 @@ def lower_to_onnx(
             opset_version=opset,
             dynamo=True,
             optimize=True,
-            custom_translation_table={torch.ops.aten.softplus.default: _softplus},
+            custom_translation_table={torch.ops.aten.softplus.default: lower_softplus},
             verbose=False,
         )
     graph = onnx_program.model.graph
