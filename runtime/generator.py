@@ -150,8 +150,13 @@ class Generator:
         decoded = [""] * batch
         ort_s, step_logits, first_token_s = 0.0, [], None
 
-        def prefill(chunk: np.ndarray, filled: int, want_logits: bool) -> np.ndarray | None:
+        def run_session() -> None:
             nonlocal ort_s
+            began = time.perf_counter()
+            self.artifact.session.run_with_iobinding(binding)
+            ort_s += time.perf_counter() - began
+
+        def prefill(chunk: np.ndarray, filled: int, want_logits: bool) -> np.ndarray | None:
             new = chunk.shape[1]
             binding.clear_binding_inputs()
             binding.clear_binding_outputs()
@@ -161,9 +166,7 @@ class Generator:
                 binding.bind_cpu_input("cache_position", np.arange(filled, filled + new, dtype=np.int64))
             binding.bind_output("logits", cache.device)
             cache.bind(binding)
-            began = time.perf_counter()
-            self.artifact.session.run_with_iobinding(binding)
-            ort_s += time.perf_counter() - began
+            run_session()
             outputs = binding.get_outputs()
             cache.advance(outputs)
             return outputs[0].numpy()[:, -1] if want_logits else None
@@ -173,7 +176,6 @@ class Generator:
         def decode(token: np.ndarray, filled: int) -> np.ndarray:
             """One decode step. Ids, cache position and logits keep their buffers from step to step; the mask
             (one column longer each step) and what the cache changed are the only bindings renewed."""
-            nonlocal ort_s
             values = {"input_ids": token}
             if static:
                 values["cache_position"] = np.array([filled], dtype=np.int64)
@@ -194,9 +196,7 @@ class Generator:
                     decode_inputs[name].update_inplace(value)
                 cache.rebind(binding)
             binding.bind_cpu_input("attention_mask", np.ascontiguousarray(mask[:, : filled + 1]))
-            began = time.perf_counter()
-            self.artifact.session.run_with_iobinding(binding)
-            ort_s += time.perf_counter() - began
+            run_session()
             cache.advance(None if static else binding.get_outputs())
             return decode_inputs["logits"].numpy()[:, -1]
 
