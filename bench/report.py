@@ -40,9 +40,11 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def _step(results: dict, cache: str, length, filled: int) -> float | None:
+def _step(results: dict, cache: str, length, attention: str, filled: int) -> float | None:
     for point in results["sweep"]:
-        if (point["cache"], point["max_cache_len"], point["filled"]) == (cache, length, filled):
+        if (point["cache"], point["max_cache_len"], point["attention"], point["filled"]) == (
+            cache, length, attention, filled,
+        ):  # fmt: skip
             return point["step_s"]["median"]
     return None
 
@@ -74,16 +76,24 @@ def targets(results: dict) -> list[str]:
                 f"- fox-small, {row['system']}: loop's own time under {LOOP_SHARE:.0%} of a step: **{met}** "
                 f"({share:.1%})"
             )
-    long, short = _step(results, "static", 2048, 200), _step(results, "static", 256, 200)
+    long, short = _step(results, "static", 2048, "gqa", 200), _step(results, "static", 256, "gqa", 200)
     if long and short:
         met = "met" if long / short <= STATIC_SLOWDOWN else "not met"
         marks.append(
-            f"- static step at 200 filled, max_cache_len 2048 vs 256, at most {STATIC_SLOWDOWN}x: **{met}** "
+            f"- static (gqa) step at 200 filled, max_cache_len 2048 vs 256, at most {STATIC_SLOWDOWN}x: **{met}** "
             f"({long / short:.2f}x)"
         )
-    dynamic, static = _step(results, "dynamic", None, 2000), _step(results, "static", 2048, 2000)
-    if dynamic and static:
-        marks.append(f"- step at 2000 filled: dynamic {dynamic * 1e3:.2f} ms, static (2048) {static * 1e3:.2f} ms")
+    at_2000 = {
+        label: _step(results, cache, length, attention, 2000)
+        for label, (cache, length, attention) in {
+            "dynamic": ("dynamic", None, "standard"),
+            "static 2048 gqa": ("static", 2048, "gqa"),
+            "static 2048 standard": ("static", 2048, "standard"),
+        }.items()
+    }
+    if all(at_2000.values()):
+        steps = ", ".join(f"{label} {step * 1e3:.2f} ms" for label, step in at_2000.items())
+        marks.append(f"- step at 2000 filled: {steps}")
     return marks
 
 
@@ -101,10 +111,12 @@ def plots(results: dict, folder: Path) -> None:
     if not results["sweep"]:
         return
     figure, axis = plt.subplots(figsize=(7, 4))
-    series = sorted({(p["cache"], p["max_cache_len"] or 0) for p in results["sweep"]})
-    for cache, length in series:
-        points = [p for p in results["sweep"] if p["cache"] == cache and (p["max_cache_len"] or 0) == length]
-        label = "dynamic" if cache == "dynamic" else f"static {length}"
+    series = sorted({(p["cache"], p["max_cache_len"] or 0, p["attention"]) for p in results["sweep"]})
+    for cache, length, attention in series:
+        points = [p for p in results["sweep"] if (p["cache"], p["max_cache_len"] or 0, p["attention"]) == (
+            cache, length, attention,
+        )]  # fmt: skip
+        label = "dynamic" if cache == "dynamic" else f"static {length} {attention}"
         axis.plot([p["filled"] for p in points], [p["step_s"]["median"] * 1e3 for p in points], marker="o", label=label)
     axis.set_xlabel("filled positions")
     axis.set_ylabel("decode step, ms (median)")

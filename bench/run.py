@@ -22,10 +22,18 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ARTIFACTS = HERE / ".artifacts"
 RESULTS = HERE / "results"
-SYSTEMS = ("eager-dynamic", "eager-static", "runtime-dynamic", "runtime-static")
 MAIN_STATIC_LENGTH = 512
+# Runtime systems: the artifact each runs, as (cache, max_cache_len, attention). "runtime-static" is what a
+# static fp32 export gives by default (GroupQueryAttention); "runtime-static-standard" the portable graph.
+RUNTIME_ARTIFACTS = {
+    "runtime-dynamic": ("dynamic", None, "standard"),
+    "runtime-static": ("static", MAIN_STATIC_LENGTH, "gqa"),
+    "runtime-static-standard": ("static", MAIN_STATIC_LENGTH, "standard"),
+}
+SYSTEMS = ("eager-dynamic", "eager-static", *RUNTIME_ARTIFACTS)
 SWEEP_FILLS = (64, 128, 200, 256, 512, 1024, 2000)
-SWEEP_LENGTHS = (256, 1024, 2048)
+SWEEP_ARTIFACTS = (("dynamic", None, "standard"), *(("static", n, "gqa") for n in (256, 1024, 2048)),
+                   ("static", 2048, "standard"))  # fmt: skip
 SWEEP_STEPS = 16
 
 
@@ -52,14 +60,15 @@ class Worker:
         return final
 
 
-def artifact(model: str, cache: str, length: int | None) -> str:
+def artifact(model: str, cache: str, length: int | None, attention: str) -> str:
     """An exported artifact for the benchmark, made once and kept in bench/.artifacts."""
     from exporters.export import ExportOptions, export_artifact
 
-    out = ARTIFACTS / (f"{model}-{cache}" + (f"-{length}" if length else ""))
+    out = ARTIFACTS / "-".join([model, cache, *([str(length)] if length else []), attention])
     if not (out / "kvg_config.json").is_file():
         print(f"exporting {out.name} ...", flush=True)
-        export_artifact(ExportOptions(model, out, cache, "fp32", length, force=True), log=lambda _: None)
+        options = ExportOptions(model, out, cache, "fp32", length, force=True, attention=attention)
+        export_artifact(options, log=lambda _: None)
     return str(out)
 
 
@@ -68,12 +77,8 @@ def spread(values: list[float]) -> dict:
 
 
 def compare(model: str, batches: list[int], args, threads: int) -> list[dict]:
-    targets = {
-        "eager-dynamic": model,
-        "eager-static": model,
-        "runtime-dynamic": artifact(model, "dynamic", None),
-        "runtime-static": artifact(model, "static", MAIN_STATIC_LENGTH),
-    }
+    targets = {"eager-dynamic": model, "eager-static": model}
+    targets |= {system: artifact(model, *made) for system, made in RUNTIME_ARTIFACTS.items()}
     workers = {system: Worker(system, targets[system], threads) for system in SYSTEMS}
     rows = []
     try:
@@ -108,12 +113,11 @@ def sweep(model: str, threads: int, runs: int) -> list[dict]:
     All systems run at once and each filled length is timed in interleaved rounds, so the ratio of two
     artifacts at one length (the static-length target) is taken under the same machine load.
     """
-    systems = [("dynamic", None)] + [("static", length) for length in SWEEP_LENGTHS]
-    workers = {system: Worker("runtime", artifact(model, *system), threads) for system in systems}
+    workers = {system: Worker("runtime", artifact(model, *system), threads) for system in SWEEP_ARTIFACTS}
     points = []
     try:
         for fill in SWEEP_FILLS:
-            fitting = [(c, n) for c, n in systems if n is None or fill + SWEEP_STEPS <= n]
+            fitting = [(c, n, a) for c, n, a in SWEEP_ARTIFACTS if n is None or fill + SWEEP_STEPS <= n]
             request = {"batch": 1, "prompt": fill, "new_tokens": SWEEP_STEPS}
             times = {system: [] for system in fitting}
             for index in range(runs + 1):
@@ -121,8 +125,9 @@ def sweep(model: str, threads: int, runs: int) -> list[dict]:
                     step = workers[system].ask(request)["step_s"]
                     if index:  # the first round warms up
                         times[system].append(step)
-            for (cache, length), measured in times.items():
-                points.append({"cache": cache, "max_cache_len": length, "filled": fill, "step_s": spread(measured)})
+            for (cache, length, attention), measured in times.items():
+                point = {"cache": cache, "max_cache_len": length, "attention": attention, "filled": fill}
+                points.append(point | {"step_s": spread(measured)})
             print(f"sweep {fill} filled: done", flush=True)
     finally:
         for worker in workers.values():

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from exporters.export import DEFAULT_MAX_BATCH, DTYPES, ExportError, ExportOptions, export_artifact
+from exporters.export import ATTENTION_KINDS, DEFAULT_MAX_BATCH, DTYPES, ExportError, ExportOptions, export_artifact
 from exporters.onnx_export import DEFAULT_OPSET
 
 
@@ -21,6 +21,13 @@ def parse_args(argv: list[str] | None) -> ExportOptions:
     parser.add_argument("--opset", type=int, default=DEFAULT_OPSET)
     parser.add_argument(
         "--provider", choices=("cpu", "cuda"), default="cpu", help="onnxruntime provider to validate on"
+    )
+    parser.add_argument(
+        "--attention",
+        choices=ATTENTION_KINDS,
+        default="auto",
+        help="gqa: onnxruntime's GroupQueryAttention over the static buffer in place (CPU provider); "
+        "standard: ONNX MatMul and Softmax, any provider; auto: gqa for static fp32 on cpu (default)",
     )
     parser.add_argument(
         "--force", action="store_true", help="replace an existing artifact (only once the new one is good)"

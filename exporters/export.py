@@ -28,6 +28,7 @@ from exporters.validate import MIN_STATIC_LENGTH, ValidationReport, validate_exp
 from kvg_export.presets import load_model, resolve_checkpoint
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+ATTENTION_KINDS = ("auto", "standard", "gqa")
 OPSETS = range(18, 24)
 DEFAULT_MAX_CACHE_LEN = 1024
 DEFAULT_MAX_BATCH = 16
@@ -52,6 +53,7 @@ class ExportOptions:
     opset: int = DEFAULT_OPSET
     force: bool = False
     provider: str = "cpu"
+    attention: str = "auto"  # auto, standard or gqa (see check_options)
 
 
 @dataclass
@@ -86,10 +88,28 @@ def check_options(options: ExportOptions) -> ExportOptions:
             "bf16 graphs cannot be validated on onnxruntime's CPU provider (it has no bf16 MatMul); "
             "export bf16 on a CUDA machine with --provider cuda, or use --dtype fp16"
         )
+    options.attention = _attention(options)
     out = options.out
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not options.force:
         raise ExportError(f"{out} already exists and is not empty; pass --force to replace it")
     return options
+
+
+def _attention(options: ExportOptions) -> str:
+    """How the graph attends. "gqa", onnxruntime's GroupQueryAttention reading the static buffer in place,
+    is the fast path on the CPU provider, where it is validated; "standard" ONNX ops run everywhere.
+    `auto` picks gqa for static fp32 exports validated on the CPU."""
+    if options.attention not in ATTENTION_KINDS:
+        raise ExportError(f"--attention must be one of {', '.join(ATTENTION_KINDS)}, not {options.attention!r}")
+    if options.attention == "auto":
+        fast = options.cache == "static" and options.dtype == "fp32" and options.provider == "cpu"
+        return "gqa" if fast else "standard"
+    if options.attention == "gqa" and (options.cache != "static" or options.provider != "cpu"):
+        raise ExportError(
+            "--attention gqa needs --cache static and --provider cpu: it writes a static buffer in place, and "
+            "its attention bias is validated on onnxruntime's CPU provider only; use --attention standard"
+        )
+    return options.attention
 
 
 def _staging_folder(out: Path) -> Path:
@@ -154,9 +174,10 @@ def _build(options: ExportOptions, staging: Path, log: Callable[[str], None]) ->
         lambda m: f"{options.model}: {sum(p.numel() for p in m.parameters()):,} parameters, {options.dtype}",
     )  # fmt: skip
     layout = cache_layout(model.config, static=options.cache == "static")
+    in_place = options.attention == "gqa"
     program, example = _stage(
-        log, "trace", lambda: export_program(model, layout, options.max_cache_len, options.max_batch),
-        lambda _: f"torch.export, {options.cache} cache",
+        log, "trace", lambda: export_program(model, layout, options.max_cache_len, options.max_batch, in_place),
+        lambda _: f"torch.export, {options.cache} cache, {options.attention} attention",
     )  # fmt: skip
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     model_path = staging / "model.onnx"
@@ -168,7 +189,8 @@ def _build(options: ExportOptions, staging: Path, log: Callable[[str], None]) ->
     files = {name: name for name in COPIED_FILES if (checkpoint / name).is_file()}
     manifest = build_manifest(
         model.config, layout, dtype=str(model.dtype).removeprefix("torch."), opset=options.opset,
-        max_cache_len=options.max_cache_len, max_batch=options.max_batch, source=str(options.model),
+        max_cache_len=options.max_cache_len, max_batch=options.max_batch, attention=options.attention,
+        source=str(options.model),
         source_sha256=source_digest(checkpoint), exporter_version=version("kvg-export"),
         files={"model": "model.onnx", "tokenizer": files.get("tokenizer.json")},
     )  # fmt: skip

@@ -64,8 +64,10 @@ def graph_io(config, layout: CacheLayout, dtype: str, max_cache_len: int | None)
 
 def build_manifest(
     config, layout: CacheLayout, *, dtype: str, opset: int, max_cache_len: int | None, max_batch: int,
-    source: str, source_sha256: str, exporter_version: str, files: dict[str, str | None],
+    attention: str, source: str, source_sha256: str, exporter_version: str, files: dict[str, str | None],
 ) -> dict:  # fmt: skip
+    """`attention`: "standard" (ONNX MatMul and Softmax, any provider) or "gqa" (onnxruntime's CPU
+    GroupQueryAttention, which cannot take a chunk of a prompt after the first for batch > 1)."""
     inputs, outputs = graph_io(config, layout, dtype, max_cache_len)
     eos = config.eos_token_id
     return {
@@ -75,6 +77,7 @@ def build_manifest(
         "opset": opset,
         "dtype": dtype,
         "gate_dtype": "float32",
+        "attention": attention,
         "cache": {
             "kind": "static" if layout.static else "dynamic",
             "max_cache_len": max_cache_len,

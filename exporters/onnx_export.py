@@ -12,25 +12,15 @@ from pathlib import Path
 
 import onnx_ir as ir
 import torch
-from onnxscript import opset18 as op
 from torch.export import Dim, ExportedProgram
 
 from exporters.contract import CacheLayout, cache_shape
+from exporters.translations import TRANSLATIONS
 from exporters.wrappers import ExportableFox
 from kvg_export import FoxForCausalLM
 
 EXAMPLE_BATCH, EXAMPLE_PAST, EXAMPLE_SEQ = 2, 3, 4
 DEFAULT_OPSET = 20
-
-
-def lower_softplus(x, beta: float = 1.0, threshold: float = 20.0):
-    """aten.softplus as one ONNX Softplus. torch switches to the identity above `threshold` for its own
-    formula's sake; onnxruntime's Softplus is exact over float32's whole range (measured against float64
-    from -200 to 200), so the exporter's Greater and Where per call are left out."""
-    if beta == 1.0:
-        return op.Softplus(x)
-    scale = op.CastLike(beta, x)
-    return op.Div(op.Softplus(op.Mul(x, scale)), scale)
 
 
 def _cache_tensor(model: FoxForCausalLM, field: str, batch: int, length: int) -> torch.Tensor:
@@ -70,7 +60,11 @@ def dynamic_shapes(layout: CacheLayout, max_batch: int, max_seq: int) -> tuple:
 
 
 def export_program(
-    model: FoxForCausalLM, layout: CacheLayout, max_cache_len: int | None = None, max_batch: int = 256
+    model: FoxForCausalLM,
+    layout: CacheLayout,
+    max_cache_len: int | None = None,
+    max_batch: int = 256,
+    in_place_attention: bool = False,
 ) -> tuple[ExportedProgram, tuple]:
     """The ExportedProgram of one forward step, and the example inputs it was traced with."""
     if layout.static and not max_cache_len:
@@ -79,7 +73,8 @@ def export_program(
     max_seq = max_cache_len if layout.static else 1 << 16
     shapes = dynamic_shapes(layout, max_batch, max_seq)
     with torch.no_grad():
-        program = torch.export.export(ExportableFox(model, layout), example, dynamic_shapes=shapes, strict=False)
+        wrapper = ExportableFox(model, layout, in_place_attention)
+        program = torch.export.export(wrapper, example, dynamic_shapes=shapes, strict=False)
     return program, example
 
 
@@ -115,7 +110,7 @@ def lower_to_onnx(
             opset_version=opset,
             dynamo=True,
             optimize=True,
-            custom_translation_table={torch.ops.aten.softplus.default: lower_softplus},
+            custom_translation_table=TRANSLATIONS,
             verbose=False,
         )
     graph = onnx_program.model.graph

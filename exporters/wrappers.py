@@ -14,11 +14,17 @@ from kvg_export import DynamicCache, FoxForCausalLM, StaticCache
 
 
 class ExportableFox(nn.Module):
-    """One forward step over a dynamic cache (`past` may be empty) or a static one (written at cache_position)."""
+    """One forward step over a dynamic cache (`past` may be empty) or a static one (written at cache_position).
 
-    def __init__(self, model: FoxForCausalLM, layout: CacheLayout):
+    `in_place_attention` (static only) attends through the op the exporter lowers to onnxruntime's
+    GroupQueryAttention; see `kvg_export/fox/in_place_attention.py`.
+    """
+
+    def __init__(self, model: FoxForCausalLM, layout: CacheLayout, in_place_attention: bool = False):
         super().__init__()
-        self.model, self.layout = model, layout
+        if in_place_attention and not layout.static:
+            raise ValueError("in-place attention needs a static cache layout")
+        self.model, self.layout, self.in_place_attention = model, layout, in_place_attention
 
     def _layer_tuples(self, past: tuple[torch.Tensor, ...]) -> list[tuple]:
         width = len(self.layout.fields)
@@ -42,6 +48,7 @@ class ExportableFox(nn.Module):
             past_key_values=cache,
             cache_position=cache_position,
             use_cache=True,
+            in_place_attention=self.in_place_attention,
         )
         present = []
         for layer in cache.layers:

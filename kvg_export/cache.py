@@ -225,6 +225,15 @@ class StaticCache(GatedCache):
         cache.layers = layers
         return cache
 
+    def update_gates(self, gate_states: torch.Tensor, layer_idx: int, cache_position: torch.Tensor):
+        """Write one layer's gates `[batch, heads, seq]` at `cache_position` and return its (keys, values,
+        gates) buffers; keys and values are the caller's to write (then `set_keys_values`)."""
+        return self._layer(layer_idx).update_gates(gate_states, cache_position)
+
+    def set_keys_values(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Hold the updated buffers a functional in-place kernel returned for this layer."""
+        self._layer(layer_idx).set_keys_values(keys, values)
+
     def early_initialization(
         self,
         batch_size: int,

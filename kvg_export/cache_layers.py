@@ -311,6 +311,25 @@ class StaticLayer(GatedLayer):
         self.gates.scatter_(2, positions.view(1, 1, -1).expand_as(gate_states), gate_states)
         return self.keys, self.values, self.gates
 
+    def update_gates(self, gate_states: torch.Tensor, cache_position: torch.Tensor):
+        """Write only the gates; the keys and values are left to a kernel that writes them itself (see
+        `fox/in_place_attention.py`), which hands its updated buffers to `set_keys_values`."""
+        if self.keys is None:
+            raise ValueError("this static cache layer is not allocated yet; call early_initialization first")
+        if not is_tracing():
+            self._check_positions(cache_position, gate_states.shape[2])
+        positions = cache_position.to(self.gates.device).view(1, 1, -1)
+        self.gates.scatter_(2, positions.expand_as(gate_states), gate_states)
+        return self.keys, self.values, self.gates
+
+    def set_keys_values(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if keys.shape != self.keys.shape or values.shape != self.values.shape:
+            raise ValueError(
+                f"replacement buffers {tuple(keys.shape)} and {tuple(values.shape)} do not match this layer's "
+                f"{tuple(self.keys.shape)}"
+            )
+        self.keys, self.values = keys, values
+
     def update_shift(self, key_shift=None, value_shift=None):
         previous = []
         for name, state in zip(SHIFT_FIELDS, (key_shift, value_shift), strict=True):

@@ -80,13 +80,20 @@ def _check_graph(session: ort.InferenceSession, manifest: dict, folder: Path) ->
         )
 
 
-def _providers(choice: str, dtype: str) -> list:
-    """CUDA first unless CPU is asked for; fp32 graphs keep fp32 matmuls (no TF32) so they match eager."""
+def _providers(choice: str, manifest: dict) -> list:
+    """CUDA first unless CPU is asked for or the graph attends through onnxruntime's CPU GroupQueryAttention;
+    fp32 graphs keep fp32 matmuls (no TF32) so they match eager."""
     if choice not in ("auto", *PROVIDERS):
         raise ArtifactError(f"provider must be auto, cuda or cpu, not {choice!r}")
-    if choice == "cpu":
+    cpu_only = manifest.get("attention") == "gqa"  # see Artifact.attention
+    if choice == "cuda" and cpu_only:
+        raise ArtifactError(
+            "this artifact attends through onnxruntime's GroupQueryAttention, validated on the CPU provider only; "
+            "serve it with --provider cpu, or re-export with --attention standard for CUDA"
+        )
+    if choice == "cpu" or cpu_only:
         return [PROVIDERS["cpu"]]
-    return [(PROVIDERS["cuda"], {"use_tf32": "0" if dtype == "float32" else "1"}), PROVIDERS["cpu"]]
+    return [(PROVIDERS["cuda"], {"use_tf32": "0" if manifest["dtype"] == "float32" else "1"}), PROVIDERS["cpu"]]
 
 
 def open_session(folder: Path, manifest: dict, options: SessionOptions) -> ort.InferenceSession:
@@ -104,9 +111,7 @@ def open_session(folder: Path, manifest: dict, options: SessionOptions) -> ort.I
         raise ArtifactError(f"{model_path} is missing; re-export the model")
     ort.set_default_logger_severity(4)  # a CUDA provider that cannot start is reported below, not logged
     try:
-        session = ort.InferenceSession(
-            str(model_path), settings, providers=_providers(options.provider, manifest["dtype"])
-        )
+        session = ort.InferenceSession(str(model_path), settings, providers=_providers(options.provider, manifest))
     except Exception as error:  # onnxruntime's own exception types: a corrupt or unreadable graph
         raise ArtifactError(f"onnxruntime cannot load {model_path}: {error}") from None
     finally:
@@ -136,6 +141,12 @@ class Artifact:
     @property
     def static(self) -> bool:
         return self.manifest["cache"]["kind"] == "static"
+
+    @property
+    def attention(self) -> str:
+        """How the graph attends: "standard" (ONNX MatMul and Softmax) or "gqa" (onnxruntime's CPU
+        GroupQueryAttention, which takes a later chunk of a prompt for one row only)."""
+        return self.manifest.get("attention", "standard")
 
     @property
     def vocab_size(self) -> int:

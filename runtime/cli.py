@@ -44,7 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         generator = Generator.open(args.artifact, SessionOptions(args.provider, args.threads))
         device = generator.artifact.device.upper()
-        why = " (CUDA is not usable here)" if args.provider == "auto" and device == "CPU" else ""
+        why = ""
+        if args.provider == "auto" and device == "CPU":
+            gqa = generator.artifact.attention == "gqa"
+            why = " (its GroupQueryAttention runs on the CPU provider)" if gqa else " (CUDA is not usable here)"
         print(f"kvg-generate: {generator.artifact.folder} on {device}{why}", file=sys.stderr)
         prompts = args.prompt or args.ids
         if args.stream and len(prompts) == 1:

@@ -27,6 +27,7 @@ class GenerationConfig:
     stop_tokens: tuple[int, ...] = ()  # besides the model's eos ids
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     prefill_chunk: int = 256  # static artifacts prefill longer prompts in chunks of this many tokens
+    # (batches of several rows on a gqa artifact prefill in one chunk: see Artifact.attention)
 
 
 @dataclass
@@ -200,7 +201,8 @@ class Generator:
             cache.advance(None if static else binding.get_outputs())
             return decode_inputs["logits"].numpy()[:, -1]
 
-        chunk_size = config.prefill_chunk if static else width
+        chunked = static and (batch == 1 or self.artifact.attention != "gqa")
+        chunk_size = config.prefill_chunk if chunked else width
         starts = list(range(0, width, chunk_size))
         for begin in starts:
             logits = prefill(ids[:, begin : begin + chunk_size], begin, want_logits=begin == starts[-1])

@@ -19,16 +19,18 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def exported(tmp_path_factory):
-    """exported(preset, cache, dtype="fp32") -> (ExportResult, progress lines), each exported once."""
+    """exported(preset, cache, dtype="fp32", attention="auto") -> (ExportResult, progress lines), each
+    exported once."""
     made = {}
 
-    def export(preset: str, cache: str, dtype: str = "fp32"):
-        key = (preset, cache, dtype)
+    def export(preset: str, cache: str, dtype: str = "fp32", attention: str = "auto"):
+        key = (preset, cache, dtype, attention)
         if key not in made:
             out = tmp_path_factory.mktemp("artifacts") / "-".join(key)
             length = STATIC_LENGTH if cache == "static" else None
             lines = []
-            result = export_artifact(ExportOptions(preset, out, cache, dtype, length), log=lines.append)
+            options = ExportOptions(preset, out, cache, dtype, length, attention=attention)
+            result = export_artifact(options, log=lines.append)
             made[key] = (result, lines)
         return made[key]
 

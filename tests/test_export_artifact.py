@@ -44,6 +44,7 @@ def test_the_artifact_holds_graph_manifest_and_model_files(artifact):
     assert manifest["cache"]["kind"] == cache and manifest["dtype"] == {"fp32": "float32", "fp16": "float16"}[dtype]
     assert manifest["cache"]["max_cache_len"] == (STATIC_LENGTH if cache == "static" else None)
     assert manifest["validation"]["passed"] and manifest["special_tokens"]["eos"] == [2]
+    assert manifest["attention"] == ("gqa" if (cache, dtype) == ("static", "fp32") else "standard")
     assert not [p for p in result.path.parent.iterdir() if p.name.startswith(".")]  # no staging left behind
 
 
@@ -90,6 +91,8 @@ def test_a_failed_validation_leaves_no_artifact_and_keeps_the_old_one(tmp_path, 
         (["fox-tiny", "--dtype", "bf16"], "bf16 graphs cannot be validated on onnxruntime's CPU provider"),
         (["fox-tiny", "--opset", "12"], "--opset 12 is not supported"),
         (["fox-tiny", "--max-batch", "0"], "--max-batch must be at least 1"),
+        (["fox-tiny", "--attention", "gqa"], "--attention gqa needs --cache static and --provider cpu"),
+        (["fox-tiny", "--cache", "static", "--attention", "gqa", "--provider", "cuda"], "needs --cache static and"),
     ],
 )
 def test_bad_input_is_refused_with_a_message_and_nothing_written(tmp_path, capsys, args, message):

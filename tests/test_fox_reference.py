@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from fox_reference import fox_reference_logits
 
 from kvg_export import DynamicCache, FoxConfig, FoxForCausalLM, StaticCache
+from kvg_export.fox.modeling import attention_pattern
 
 SIZES = {
     "vocab_size": 64,
@@ -131,18 +132,25 @@ def reference(model: FoxForCausalLM, tokens: torch.Tensor) -> torch.Tensor:
     return _references[key]
 
 
-def make_cache(kind: str, model: FoxForCausalLM):
+def make_cache(kind: str, model: FoxForCausalLM, batch: int = 1):
+    """A dynamic or static cache for `kind`; "static-in-place" kinds are attended through the op the exporter
+    lowers to onnxruntime's GroupQueryAttention, which writes keys and values into buffers allocated first."""
     if kind == "dynamic":
         return DynamicCache()
-    return StaticCache(model.config.num_hidden_layers, max_cache_len=SEQ + 4)
+    config = model.config
+    cache = StaticCache(config.num_hidden_layers, max_cache_len=SEQ + 4)
+    if kind.startswith("static-in-place"):
+        cache.early_initialization(batch, config.kv_heads, config.num_heads, config.head_dim, torch.float32, "cpu")
+    return cache
 
 
 @torch.no_grad()
-def prefill_then_decode(model, ids, mask, cache, whole_buffer: bool = False) -> torch.Tensor:
+def prefill_then_decode(model, ids, mask, cache, whole_buffer: bool = False, in_place: bool = False) -> torch.Tensor:
     """Logits `[B, SEQ, vocab]`: the first PREFILL tokens in one call, then one call per token.
 
     Each call's mask stops after its new tokens (a static cache attends over that window), or with
     `whole_buffer` is zero-extended to the static cache's length, so the whole buffer is attended.
+    `in_place` attends through `kvg::static_cache_attention`.
     """
 
     def mask_until(stop: int) -> torch.Tensor | None:
@@ -150,11 +158,12 @@ def prefill_then_decode(model, ids, mask, cache, whole_buffer: bool = False) -> 
             return None
         return F.pad(mask[:, :stop], (0, cache.max_cache_len - stop)) if whole_buffer else mask[:, :stop]
 
-    out = model(ids[:, :PREFILL], attention_mask=mask_until(PREFILL), past_key_values=cache)
+    step = functools.partial(model, past_key_values=cache, use_cache=True, in_place_attention=in_place)
+    out = step(ids[:, :PREFILL], attention_mask=mask_until(PREFILL))
     assert out.past_key_values is cache
     logits = [out.logits]
     for t in range(PREFILL, SEQ):
-        out = model(ids[:, t : t + 1], attention_mask=mask_until(t + 1), past_key_values=cache, use_cache=True)
+        out = step(ids[:, t : t + 1], attention_mask=mask_until(t + 1))
         assert out.past_key_values is cache
         logits.append(out.logits)
     return torch.cat(logits, dim=1)
@@ -187,11 +196,12 @@ def test_tied_embeddings_share_storage():
 
 
 @option_param
-@pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
+@pytest.mark.parametrize("cache_kind", ["dynamic", "static", "static-in-place"])
 def test_decode(option, cache_kind):
     model = build(option)
     ids = token_ids(2)
-    logits = prefill_then_decode(model, ids, None, make_cache(cache_kind, model))
+    in_place = cache_kind == "static-in-place"
+    logits = prefill_then_decode(model, ids, None, make_cache(cache_kind, model), in_place=in_place)
     expected = reference(model, ids[0])
     assert_matches(logits[0, :PREFILL], expected[:PREFILL], f"{option} {cache_kind} prefill")
     for t in range(PREFILL, SEQ):
@@ -199,12 +209,15 @@ def test_decode(option, cache_kind):
 
 
 @option_param
-@pytest.mark.parametrize("cache_kind", ["dynamic", "static", "static-whole-buffer"])
+@pytest.mark.parametrize(
+    "cache_kind",
+    ["dynamic", "static", "static-whole-buffer", "static-in-place", "static-in-place-whole-buffer"],
+)
 def test_left_padded_batch(option, cache_kind):
     model = build(option)
     ids, mask = padded_batch(3)
-    whole_buffer = cache_kind == "static-whole-buffer"
-    logits = prefill_then_decode(model, ids, mask, make_cache(cache_kind, model), whole_buffer)
+    whole_buffer, in_place = cache_kind.endswith("whole-buffer"), cache_kind.startswith("static-in-place")
+    logits = prefill_then_decode(model, ids, mask, make_cache(cache_kind, model, batch=2), whole_buffer, in_place)
     for row, start in ((0, PAD), (1, 0)):
         expected = reference(model, ids[row, start:])
         for t in range(start, SEQ):
@@ -258,3 +271,25 @@ def test_a_static_mask_that_stops_before_the_new_tokens_is_refused():
     cache = make_cache("static", model)
     with pytest.raises(ValueError, match="must cover every filled slot and the new tokens"):
         model(ids, attention_mask=torch.ones(1, PREFILL - 1, dtype=torch.long), past_key_values=cache)
+
+
+def test_in_place_attention_refuses_positions_that_are_not_consecutive():
+    model = build("base")
+    cache = make_cache("static-in-place", model)
+    with pytest.raises(ValueError, match="consecutive cache positions"):
+        model(
+            token_ids(2)[:, :2], attention_mask=torch.ones(1, 4, dtype=torch.long), past_key_values=cache,
+            cache_position=torch.tensor([0, 3]), in_place_attention=True,
+        )  # fmt: skip
+
+
+def test_a_padding_query_attends_its_own_slot_and_nothing_else():
+    """Every query is allowed at least one key, so no attention kernel meets a row with every key masked."""
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    positions = torch.arange(5)
+    _, _, allowed = attention_pattern(mask, positions, kv_length=5, batch=2, windowed=True)
+    for row in range(2):
+        for query in range(5):
+            real = [key for key in range(5) if mask[row, key] and key <= query]
+            want = real if mask[row, query] else [query]
+            assert allowed[row, 0, query].nonzero().flatten().tolist() == want

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from exporters.contract import cache_layout
-from exporters.onnx_export import DEFAULT_OPSET, export_program, lower_softplus, lower_to_onnx
+from exporters.onnx_export import DEFAULT_OPSET, export_program, lower_to_onnx
+from exporters.translations import lower_softplus
 from exporters.wrappers import ExportableFox
 from kvg_export import DynamicCache, FoxConfig, FoxForCausalLM
 
@@ -35,15 +36,17 @@ def small_model(name):
     return model
 
 
-@pytest.fixture(
-    scope="module", params=[(c, k) for c in CONFIGS for k in ("dynamic", "static")], ids=lambda p: "-".join(p)
-)
+KINDS = ("dynamic", "static", "static-gqa")  # static-gqa: attention lowered to GroupQueryAttention
+
+
+@pytest.fixture(scope="module", params=[(c, k) for c in CONFIGS for k in KINDS], ids=lambda p: "-".join(p))
 def exported(request, tmp_path_factory):
     name, kind = request.param
     model = small_model(name)
     config = model.config
-    layout = cache_layout(config, static=kind == "static")
-    program, example = export_program(model, layout, max_cache_len=MAX_CACHE_LEN if layout.static else None)
+    layout = cache_layout(config, static=kind != "dynamic")
+    length = MAX_CACHE_LEN if layout.static else None
+    program, example = export_program(model, layout, length, in_place_attention=kind == "static-gqa")
     path = tmp_path_factory.mktemp(f"{name}-{kind}") / "model.onnx"
     lower_to_onnx(program, example, layout, path, DEFAULT_OPSET, external_data=False)
     return model, layout, path
@@ -63,8 +66,15 @@ def test_graph_inputs_and_outputs_follow_the_contract(exported):
     assert gate_type == onnx.TensorProto.FLOAT
 
 
+def uses_group_query_attention(path) -> bool:
+    return any(node.op_type == "GroupQueryAttention" for node in onnx.load(str(path)).graph.node)
+
+
 def run_steps(model, layout, path, ids, mask):
-    """Prefill 5 tokens then decode one at a time through onnxruntime, feeding present back as past."""
+    """Prefill 5 tokens then decode one at a time through onnxruntime, feeding present back as past.
+
+    A static graph is given a mask as long as its buffer, which it must accept, except that a
+    GroupQueryAttention graph takes a batch's first chunk only with the mask of exactly that chunk."""
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     batch, total = ids.shape
     config = model.config
@@ -85,7 +95,8 @@ def run_steps(model, layout, path, ids, mask):
     for start, stop in [(0, 5), *((t, t + 1) for t in range(5, total))]:
         feed = {"input_ids": ids[:, start:stop].numpy(), **past}
         if layout.static:
-            feed |= {"attention_mask": full_mask, "cache_position": np.arange(start, stop)}
+            window = full_mask[:, :stop] if start == 0 and uses_group_query_attention(path) else full_mask
+            feed |= {"attention_mask": window, "cache_position": np.arange(start, stop)}
         else:
             feed["attention_mask"] = mask[:, :stop].numpy()
         outputs = dict(zip(layout.output_names(), session.run(None, feed), strict=True))
@@ -153,3 +164,21 @@ def test_the_softplus_lowering_matches_torch_across_the_gate_range(beta):
     # normal range flush to zero
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-37)
     assert "Where" not in {node.op_type for node in program.model_proto.graph.node}
+
+
+def test_each_static_buffer_is_read_by_the_one_node_that_writes_its_present(exported):
+    """What lets the runtime bind one buffer as past and present: no other node reads a past tensor's data
+    (Shape reads only its size). Standard graphs write keys and values with ScatterElements; gqa graphs
+    with GroupQueryAttention."""
+    _, layout, path = exported
+    if not layout.static:
+        pytest.skip("a dynamic graph's present is a new tensor, past + seq long")
+    nodes = onnx.load(str(path)).graph.node
+    writer_of_keys = "GroupQueryAttention" if uses_group_query_attention(path) else "ScatterElements"
+    for past, present in zip(layout.past_names(), layout.present_names(), strict=True):
+        if past.endswith("shift"):
+            continue  # read by the token shift besides being replaced; the runtime swaps two buffers
+        readers = [n for n in nodes if past in n.input and n.op_type != "Shape"]
+        writers = [n for n in nodes if present in n.output]
+        assert len(readers) == 1 and writers == readers
+        assert readers[0].op_type == (writer_of_keys if past.endswith((".key", ".value")) else "ScatterElements")

@@ -1,5 +1,6 @@
 """The runtime's contract beyond parity: buffers on the device, sampling, stopping, streaming, bad input."""
 
+import dataclasses
 import json
 import re
 import shutil
@@ -40,10 +41,15 @@ def test_the_static_cache_is_updated_in_place_in_buffers_kept_across_calls(stati
     assert len(seen) == 3 * (6 + 4) and all(addresses == seen[0] for addresses in seen)
 
 
-def test_chunked_prefill_of_a_static_artifact_gives_the_same_tokens(static_artifact):
-    generator = Generator.open(static_artifact, CPU)
-    whole = generator.generate(PROMPTS, GenerationConfig(max_new_tokens=8, min_new_tokens=8))
-    chunked = generator.generate(PROMPTS, GenerationConfig(max_new_tokens=8, min_new_tokens=8, prefill_chunk=3))
+@pytest.mark.parametrize("attention", ["gqa", "standard"])
+@pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS], ids=["one-row", "batch"])
+def test_chunked_prefill_of_a_static_artifact_gives_the_same_tokens(exported, attention, prompts):
+    """On a gqa artifact one row prefills in chunks and a batch in one go (GroupQueryAttention takes a
+    later chunk for one row only); the tokens must not change either way."""
+    generator = Generator.open(exported("fox-pro-tiny", "static", attention=attention)[0].path, CPU)
+    config = GenerationConfig(max_new_tokens=8, min_new_tokens=8)
+    whole = generator.generate(prompts, config)
+    chunked = generator.generate(prompts, dataclasses.replace(config, prefill_chunk=3))
     assert chunked.tokens == whole.tokens
 
 
@@ -175,6 +181,11 @@ def test_a_missing_or_broken_artifact_is_refused_with_a_message(dynamic_artifact
 def test_asking_for_cuda_where_there_is_none_is_an_error(dynamic_artifact, capsys):
     assert main([str(dynamic_artifact), "--ids", "5,6", "--provider", "cuda"]) == 2
     assert "CUDA is not available" in capsys.readouterr().err
+
+
+def test_a_gqa_artifact_is_refused_on_cuda_with_the_fix(static_artifact, capsys):
+    assert main([str(static_artifact), "--ids", "5,6", "--provider", "cuda"]) == 2
+    assert "re-export with --attention standard for CUDA" in capsys.readouterr().err
 
 
 def test_a_saved_optimized_graph_is_written_once_and_reused(dynamic_artifact, tmp_path):

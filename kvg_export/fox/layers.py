@@ -84,12 +84,12 @@ class ShiftLinear(nn.Module):
 def rotate(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
     """Rotary embedding in the half-rotation (GPT-NeoX) layout.
 
-    x `[batch, heads, seq, head_dim]`, positions `[batch, seq]`.
+    x `[batch, seq, heads, head_dim]`, positions `[batch, seq]`.
     """
     head_dim = x.shape[-1]
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=x.device, dtype=torch.float32) / head_dim))
     angles = positions.float().unsqueeze(-1) * inv_freq  # [batch, seq, head_dim / 2]
-    cos, sin = angles.cos().unsqueeze(1).to(x.dtype), angles.sin().unsqueeze(1).to(x.dtype)
+    cos, sin = angles.cos().unsqueeze(2).to(x.dtype), angles.sin().unsqueeze(2).to(x.dtype)
     first, second = x.chunk(2, dim=-1)
     return torch.cat([first * cos - second * sin, first * sin + second * cos], dim=-1)
 

@@ -18,9 +18,10 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from kvg_export.cache import DynamicCache, GatedCache, StaticCache
-from kvg_export.cache_layers import SHIFT_FIELDS
-from kvg_export.fox.attention import forgetting_attention
+from kvg_export.cache_layers import SHIFT_FIELDS, is_tracing
+from kvg_export.fox.attention import forgetting_attention, gate_bias
 from kvg_export.fox.configuration import FoxConfig
+from kvg_export.fox.in_place_attention import static_cache_attention
 from kvg_export.fox.layers import QK_NORM_EPS, GatedMLP, HeadRMSNorm, RMSNorm, ShiftLinear, rotate
 
 
@@ -104,36 +105,73 @@ class ForgettingAttention(nn.Module):
         keep: torch.Tensor | None,
         allowed: torch.Tensor,
         cache: GatedCache | None,
+        in_place: bool = False,
     ) -> torch.Tensor:
         """x `[batch, seq, hidden]`; positions `[batch, seq]` (RoPE); keep `[batch, seq]` real tokens;
-        allowed `[batch or 1, 1, seq, window]` the attention pattern."""
+        allowed `[batch or 1, 1, seq, window]` the attention pattern; `in_place`: see `_attend_in_place`."""
         batch, seq, _ = x.shape
-        query = self.q_proj(x).view(batch, seq, self.heads, self.head_dim)
-        keys = self._project("k_proj", x, keep, cache).view(batch, seq, self.kv_heads, self.head_dim)
-        values = self._project("v_proj", x, keep, cache).view(batch, seq, self.kv_heads, self.head_dim)
-        if self.config.qk_norm:
-            query, keys = self.q_norm(query), self.k_norm(keys)
-        query, keys, values = query.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
-        if self.config.use_rope:
-            query = rotate(query, positions, self.config.rope_base)
-            keys = rotate(keys, positions, self.config.rope_base)
+        query = self.q_proj(x)  # [batch, seq, heads * head_dim]; keys and values likewise with kv_heads
+        keys = self._project("k_proj", x, keep, cache)
+        values = self._project("v_proj", x, keep, cache)
+        if self.config.qk_norm or self.config.use_rope:
+            query, keys = self._per_head(query, keys, positions)
         log_gates = self.log_forget_gate(x)
         if keep is not None:
             log_gates = log_gates * keep[:, None, :].float()
+        if in_place:
+            out = self._attend_in_place(query, keys, values, log_gates, cache_position, allowed, cache)
+        else:
+            out = self._attend(query, keys, values, log_gates, cache_position, allowed, cache)
+        if self.config.use_output_norm:
+            out = self.output_norm(out.view(batch, seq, self.heads, self.head_dim)).flatten(2)
+        if self.config.use_output_gate:
+            out = self.ogate_act(self.ogate_proj(x)) * out
+        return self.o_proj(out)
+
+    def _per_head(self, query, keys, positions) -> tuple[torch.Tensor, torch.Tensor]:
+        """QK-norm and RoPE, which work head by head; in and out `[batch, seq, heads * head_dim]`."""
+        query = query.unflatten(-1, (self.heads, self.head_dim))
+        keys = keys.unflatten(-1, (self.kv_heads, self.head_dim))
+        if self.config.qk_norm:
+            query, keys = self.q_norm(query), self.k_norm(keys)
+        if self.config.use_rope:
+            query = rotate(query, positions, self.config.rope_base)
+            keys = rotate(keys, positions, self.config.rope_base)
+        return query.flatten(2), keys.flatten(2)
+
+    def _attend(self, query, keys, values, log_gates, cache_position, allowed, cache) -> torch.Tensor:
+        """Store the new entries, then attend with plain tensor ops over the cache (a static one over the
+        pattern's window only). Takes and returns the `[batch, seq, heads * head_dim]` layout."""
+        query, keys, values = (t.unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for t in (query, keys, values))
         if cache is not None:
             keys, values, log_gates = cache.update(
                 keys, values, log_gates, self.layer_idx, {"cache_position": cache_position}
             )
-        if isinstance(cache, StaticCache):  # attended over the pattern's window, not the whole buffer
+        if isinstance(cache, StaticCache):
             window = allowed.shape[-1]
             keys, values, log_gates = keys[:, :, :window], values[:, :, :window], log_gates[..., :window]
-        out = forgetting_attention(query, keys, values, log_gates, cache_position, allowed).transpose(1, 2)
-        if self.config.use_output_norm:
-            out = self.output_norm(out)
-        out = out.reshape(batch, seq, self.heads * self.head_dim)
-        if self.config.use_output_gate:
-            out = self.ogate_act(self.ogate_proj(x)) * out
-        return self.o_proj(out)
+        return forgetting_attention(query, keys, values, log_gates, cache_position, allowed).transpose(1, 2).flatten(2)
+
+    def _attend_in_place(self, query, keys, values, log_gates, cache_position, allowed, cache) -> torch.Tensor:
+        """A static-cache step as one `kvg::static_cache_attention` op, which the exporter lowers to
+        onnxruntime's GroupQueryAttention: it writes the new keys and values at the window's end itself and
+        reads only the window. Takes and returns the `[batch, seq, heads * head_dim]` layout."""
+        if not isinstance(cache, StaticCache):
+            raise ValueError("in_place_attention needs a static cache")
+        batch, seq = query.shape[:2]
+        window = allowed.shape[-1]
+        if not is_tracing():
+            first = int(cache_position[0])
+            if not torch.equal(cache_position.cpu(), torch.arange(first, first + seq)):
+                raise ValueError("in-place attention writes the new tokens to consecutive cache positions")
+        key_cache, value_cache, gates = cache.update_gates(log_gates, self.layer_idx, cache_position)
+        bias = gate_bias(gates[..., :window], cache_position)
+        out, key_cache, value_cache = static_cache_attention(
+            query, keys, values, key_cache, value_cache, bias, allowed.expand(batch, -1, -1, -1), cache_position,
+            self.heads, self.kv_heads,
+        )  # fmt: skip
+        cache.set_keys_values(self.layer_idx, key_cache, value_cache)
+        return out
 
 
 class FoxBlock(nn.Module):
@@ -192,7 +230,9 @@ def attention_pattern(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """RoPE positions `[batch, seq]`, new-token flags `[batch, seq]` (None without a mask) and the attention
     pattern `[batch or 1, 1, seq, window]`: true where a query may attend a key slot, a real token at or
-    before the query's own slot. Built once per forward and shared by every layer.
+    before the query's own slot, or that slot itself (so a padding query attends itself alone rather than
+    nothing, and no kernel meets a row with every key masked). Built once per forward and shared by
+    every layer.
 
     `attention_mask` `[batch, filled]` marks real tokens (0 = padding). A `windowed` (static) cache is
     attended over the mask's length only, so a step's cost follows the filled length, not the buffer's;
@@ -218,7 +258,8 @@ def attention_pattern(
         return cache_position.unsqueeze(0).expand(batch, -1), None, causal
     key_mask = attention_mask.bool()
     positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0).index_select(-1, cache_position)
-    return positions, key_mask.index_select(-1, cache_position), causal & key_mask[:, None, None, :]
+    own = (slots.unsqueeze(0) == cache_position.unsqueeze(-1))[None, None]
+    return positions, key_mask.index_select(-1, cache_position), causal & (key_mask[:, None, None, :] | own)
 
 
 class FoxModel(FoxPreTrainedModel):
@@ -243,8 +284,11 @@ class FoxModel(FoxPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         cache_position: torch.LongTensor | None = None,
+        in_place_attention: bool = False,
         **kwargs,
     ) -> BaseModelOutputWithPast:
+        """`in_place_attention` (static caches): attend through `kvg::static_cache_attention`, the form the
+        exporter lowers to onnxruntime's GroupQueryAttention."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         hidden = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
@@ -262,7 +306,7 @@ class FoxModel(FoxPreTrainedModel):
         windowed = isinstance(cache, StaticCache)
         positions, keep, allowed = attention_pattern(attention_mask, cache_position, kv_length, batch, windowed)
         for block in self.layers:
-            hidden = block(hidden, positions, cache_position, keep, allowed, cache)
+            hidden = block(hidden, positions, cache_position, keep, allowed, cache, in_place_attention)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden), past_key_values=cache)
 
 
@@ -297,9 +341,11 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
         use_cache: bool | None = None,
         cache_position: torch.LongTensor | None = None,
         logits_to_keep: int = 0,
+        in_place_attention: bool = False,
         **kwargs,
     ) -> CausalLMOutputWithPast:
-        """`labels` `[batch, seq]` are the inputs themselves (shifted here, -100 ignored), as in transformers."""
+        """`labels` `[batch, seq]` are the inputs themselves (shifted here, -100 ignored), as in transformers;
+        `in_place_attention` as in `FoxModel.forward`."""
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -307,6 +353,7 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             cache_position=cache_position,
+            in_place_attention=in_place_attention,
         )
         hidden = outputs.last_hidden_state
         logits = self.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)

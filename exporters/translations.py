@@ -1,0 +1,85 @@
+"""Custom ONNX lowerings for the exporter: ops that torch.onnx would otherwise spell out node by node.
+
+- `aten.softplus` becomes one ONNX Softplus.
+- `kvg::static_cache_attention` (kvg_export/fox/in_place_attention.py) becomes onnxruntime's
+  com.microsoft GroupQueryAttention, with past and present the same cache buffer.
+"""
+
+from __future__ import annotations
+
+import torch
+from onnx.defs import OpSchema
+from onnxscript import INT32
+from onnxscript import opset18 as op
+from onnxscript.values import Op, Opset
+
+import kvg_export.fox.in_place_attention  # noqa: F401  (registers kvg::static_cache_attention)
+
+
+def lower_softplus(x, beta: float = 1.0, threshold: float = 20.0):
+    """aten.softplus as one ONNX Softplus. torch switches to the identity above `threshold` for its own
+    formula's sake; onnxruntime's Softplus is exact over float32's whole range (measured against float64
+    from -200 to 200), so the exporter's Greater and Where per call are left out."""
+    if beta == 1.0:
+        return op.Softplus(x)
+    scale = op.CastLike(beta, x)
+    return op.Div(op.Softplus(op.Mul(x, scale)), scale)
+
+
+def _group_query_attention_schema() -> OpSchema:
+    """The part of onnxruntime's contrib schema this exporter uses (onnx itself knows no com.microsoft
+    ops, and torch.onnx builds a node only from a schema): inputs in onnxruntime's order, up to
+    attention_bias."""
+    required, optional = OpSchema.FormalParameterOption.Single, OpSchema.FormalParameterOption.Optional
+    inputs = [("query", "T"), ("key", "T"), ("value", "T"), ("past_key", "T"), ("past_value", "T"),
+              ("seqlens_k", "M"), ("total_sequence_length", "M"), ("cos_cache", "T"), ("sin_cache", "T"),
+              ("position_ids", "P"), ("attention_bias", "T")]  # fmt: skip
+    return OpSchema(
+        "GroupQueryAttention",
+        "com.microsoft",
+        1,
+        inputs=[
+            OpSchema.FormalParameter(name, kind, param_option=optional if index > 6 else required)
+            for index, (name, kind) in enumerate(inputs)
+        ],
+        outputs=[OpSchema.FormalParameter(name, "T") for name in ("output", "present_key", "present_value")],
+        type_constraints=[
+            ("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], ""),
+            ("M", ["tensor(int32)"], ""),
+            ("P", ["tensor(int64)"], ""),
+        ],
+        attributes=[
+            OpSchema.Attribute("num_heads", OpSchema.AttrType.INT, ""),
+            OpSchema.Attribute("kv_num_heads", OpSchema.AttrType.INT, ""),
+        ],
+    )
+
+
+GROUP_QUERY_ATTENTION = Op(Opset("com.microsoft", 1), "GroupQueryAttention", _group_query_attention_schema())
+
+
+def lower_static_cache_attention(
+    query, key, value, key_cache, value_cache, bias, allowed, cache_position, heads: int, kv_heads: int
+):  # fmt: skip
+    """Every row's last new key goes to the last cache position (`seqlens_k`); the window is the total
+    length attended, and left padding is masked in the bias, which also carries FoX's gate sums. The
+    lengths come from inputs every layer shares, so onnxruntime computes them once. GroupQueryAttention's
+    default scale is FoX's."""
+
+    def part(x, start: int, end: int):
+        return op.Slice(x, op.Constant(value_ints=[start]), op.Constant(value_ints=[end]))
+
+    shape = op.Shape(allowed)
+    total = op.Cast(op.Squeeze(part(shape, 3, 4)), to=INT32.dtype)
+    seqlens = op.Cast(op.Expand(part(cache_position, -1, 1 << 62), part(shape, 0, 1)), to=INT32.dtype)
+    masked = op.Where(allowed, bias, op.Constant(value_float=float(torch.finfo(torch.float32).min)))
+    return GROUP_QUERY_ATTENTION(
+        query, key, value, key_cache, value_cache, seqlens, total, None, None, None, op.CastLike(masked, query),
+        num_heads=heads, kv_num_heads=kv_heads,
+    )  # fmt: skip
+
+
+TRANSLATIONS = {
+    torch.ops.aten.softplus.default: lower_softplus,
+    torch.ops.kvg.static_cache_attention.default: lower_static_cache_attention,
+}
