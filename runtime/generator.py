@@ -172,34 +172,38 @@ class Generator:
             cache.advance(outputs)
             return outputs[0].numpy()[:, -1] if want_logits else None
 
-        decode_inputs: dict[str, ort.OrtValue] = {}  # ids, position and logits: bound once, refreshed in place
+        on_host = cache.device == "cpu"
+        step_io: dict[str, tuple[np.ndarray, ort.OrtValue]] = {}  # ids, position, logits: host array, bound value
 
         def decode(token: np.ndarray, filled: int) -> np.ndarray:
-            """One decode step. Ids, cache position and logits keep their buffers from step to step; the mask
-            (one column longer each step) and what the cache changed are the only bindings renewed."""
+            """One decode step. Ids, cache position and logits keep their buffers from step to step (on the CPU,
+            numpy arrays that onnxruntime reads and writes in place, so nothing is copied through pybind); the
+            mask (one column longer each step) and what the cache changed are the only bindings renewed."""
             values = {"input_ids": token}
             if static:
                 values["cache_position"] = np.array([filled], dtype=np.int64)
-            if not decode_inputs:
+            if not step_io:
                 binding.clear_binding_inputs()
                 binding.clear_binding_outputs()
+                values["logits"] = np.empty((batch, 1, self.artifact.vocab_size), dtype=np.float32)
                 for name, value in values.items():
-                    decode_inputs[name] = ort.OrtValue.ortvalue_from_numpy(value, cache.device, 0)
-                    binding.bind_ortvalue_input(name, decode_inputs[name])
-                vocab = self.artifact.vocab_size
-                decode_inputs["logits"] = ort.OrtValue.ortvalue_from_shape_and_type(
-                    [batch, 1, vocab], np.float32, cache.device, 0
-                )
-                binding.bind_ortvalue_output("logits", decode_inputs["logits"])
+                    step_io[name] = (value, ort.OrtValue.ortvalue_from_numpy(value, cache.device, 0))
+                    bind = binding.bind_ortvalue_output if name == "logits" else binding.bind_ortvalue_input
+                    bind(name, step_io[name][1])
                 cache.bind(binding)
             else:
                 for name, value in values.items():
-                    decode_inputs[name].update_inplace(value)
+                    host, device = step_io[name]
+                    if on_host:
+                        host[...] = value
+                    else:
+                        device.update_inplace(value)
                 cache.rebind(binding)
             binding.bind_cpu_input("attention_mask", np.ascontiguousarray(mask[:, : filled + 1]))
             run_session()
             cache.advance(None if static else binding.get_outputs())
-            return decode_inputs["logits"].numpy()[:, -1]
+            host, device = step_io["logits"]
+            return (host if on_host else device.numpy())[:, -1]
 
         chunked = static and (batch == 1 or self.artifact.attention != "gqa")
         chunk_size = config.prefill_chunk if chunked else width
