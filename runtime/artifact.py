@@ -109,9 +109,10 @@ def open_session(folder: Path, manifest: dict, options: SessionOptions) -> ort.I
             settings.optimized_model_filepath = str(options.optimized_model_path)
     if not model_path.is_file():
         raise ArtifactError(f"{model_path} is missing; re-export the model")
+    providers = _providers(options.provider, manifest)
     ort.set_default_logger_severity(4)  # a CUDA provider that cannot start is reported below, not logged
     try:
-        session = ort.InferenceSession(str(model_path), settings, providers=_providers(options.provider, manifest))
+        session = ort.InferenceSession(str(model_path), settings, providers=providers)
     except Exception as error:  # onnxruntime's own exception types: a corrupt or unreadable graph
         raise ArtifactError(f"onnxruntime cannot load {model_path}: {error}") from None
     finally:
