@@ -2,10 +2,10 @@
 
 `kvg::static_cache_attention` has the semantics of onnxruntime's GroupQueryAttention with past and
 present sharing one buffer: the exporter lowers it to that node, which reads only the filled window of
-the buffer and appends in place, where the eager graph copies the window out first (about 5x the time
-per layer at 2000 filled positions, measured on onnxruntime 1.31's CPU provider). Here it is written
-with PyTorch's own scaled_dot_product_attention, so that the ExportedProgram is checked against the
-eager FoX attention by an independent computation.
+the buffer and appends in place, where the standard graph scatters and then copies the window out
+(fox-small at 2000 filled positions: 17.1 ms a step against 32.1 ms, onnxruntime 1.31's CPU provider).
+Here it is written with PyTorch's own scaled_dot_product_attention, so that the ExportedProgram is
+checked against the eager FoX attention by an independent computation.
 """
 
 from __future__ import annotations

@@ -154,7 +154,7 @@ class ForgettingAttention(nn.Module):
 
     def _attend_in_place(self, query, keys, values, log_gates, cache_position, allowed, cache) -> torch.Tensor:
         """A static-cache step as one `kvg::static_cache_attention` op, which the exporter lowers to
-        onnxruntime's GroupQueryAttention: it writes the new keys and values at the window's end itself and
+        onnxruntime's GroupQueryAttention: it writes the new keys and values at cache_position itself and
         reads only the window. Takes and returns the `[batch, seq, heads * head_dim]` layout."""
         if not isinstance(cache, StaticCache):
             raise ValueError("in_place_attention needs a static cache")
