@@ -147,7 +147,7 @@ class Generator:
         context = [np.array(p, dtype=np.int64) for p in prompts] if penalised else None
         generated: list[list[int]] = [[] for _ in range(batch)]
         reasons = ["length"] * batch
-        done = np.zeros(batch, dtype=bool)
+        done, finished = np.zeros(batch, dtype=bool), 0
         decoded = [""] * batch
         ort_s, step_logits, first_token_s = 0.0, [], None
 
@@ -217,23 +217,25 @@ class Generator:
             if keep_logits:
                 step_logits.append(logits.copy())
             chosen = sampler.choose(logits, context, banned)
-            chosen = np.where(done, self.pad, chosen)
+            if finished:
+                chosen = np.where(done, self.pad, chosen)
             if first_token_s is None:
                 first_token_s = time.perf_counter() - start
-            for row in np.flatnonzero(~done):
-                token = int(chosen[row])
+            for row, token in enumerate(chosen.tolist()):
+                if done[row]:
+                    continue
                 generated[row].append(token)
                 if penalised:
                     context[row] = np.append(context[row], token)
                 text = self._text_delta(row, generated[row], decoded) if text_events else ""
-                yield TokenEvent(int(row), token, text)
+                yield TokenEvent(row, token, text)
                 if token in stop_ids and step + 1 >= config.min_new_tokens:
                     done[row], reasons[row] = True, "stop"
-            if done.all() or step + 1 == config.max_new_tokens:
+                    finished += 1
+            if finished == batch or step + 1 == config.max_new_tokens:
                 break
-            token = chosen[:, None].astype(np.int64)
             mask[:, filled] = ~done  # a finished row's new position is masked
-            logits = decode(token, filled)
+            logits = decode(chosen[:, None], filled)
             filled += 1
         wall = time.perf_counter() - start
         decode_tokens = sum(max(len(g) - 1, 0) for g in generated)

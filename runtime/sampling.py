@@ -106,8 +106,15 @@ class Sampler:
         self, logits: np.ndarray, context: list[np.ndarray] | None = None, banned: np.ndarray | None = None
     ) -> np.ndarray:
         """Next token ids [batch] int64 for logits [batch, vocab]; the arguments are those of `filtered_logits`."""
+        greedy = self.config.temperature == 0
+        if greedy and self.config.repetition_penalty == 1.0:
+            # Banning only lowers the banned ids, so the plain argmax stands unless it is one of them; this
+            # spares a decode step a copy and three passes over the vocabulary (min_new_tokens bans every step).
+            top = np.asarray(logits).argmax(axis=-1)
+            if banned is None or not (top[:, None] == np.asarray(banned)[None, :]).any():
+                return top.astype(np.int64)
         scores = filtered_logits(logits, self.config, context, banned)
-        if self.config.temperature == 0:
+        if greedy:
             return scores.argmax(axis=-1).astype(np.int64)
         probs = _softmax(scores)
         cdf = np.cumsum(probs, axis=-1)
