@@ -308,8 +308,11 @@ class StaticLayer(GatedLayer):
         seq_index = positions.view(1, 1, -1, 1)
         self.keys.scatter_(2, seq_index.expand_as(key_states), key_states)
         self.values.scatter_(2, seq_index.expand_as(value_states), value_states)
-        self.gates.scatter_(2, positions.view(1, 1, -1).expand_as(gate_states), gate_states)
+        self._scatter_gates(gate_states, positions)
         return self.keys, self.values, self.gates
+
+    def _scatter_gates(self, gate_states: torch.Tensor, positions: torch.Tensor) -> None:
+        self.gates.scatter_(2, positions.view(1, 1, -1).expand_as(gate_states), gate_states)
 
     def update_gates(self, gate_states: torch.Tensor, cache_position: torch.Tensor):
         """Write only the gates; the keys and values are left to a kernel that writes them itself (see
@@ -318,8 +321,7 @@ class StaticLayer(GatedLayer):
             raise ValueError("this static cache layer is not allocated yet; call early_initialization first")
         if not is_tracing():
             self._check_positions(cache_position, gate_states.shape[2])
-        positions = cache_position.to(self.gates.device).view(1, 1, -1)
-        self.gates.scatter_(2, positions.expand_as(gate_states), gate_states)
+        self._scatter_gates(gate_states, cache_position.to(self.gates.device))
         return self.keys, self.values, self.gates
 
     def set_keys_values(self, keys: torch.Tensor, values: torch.Tensor) -> None:

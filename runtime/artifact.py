@@ -80,12 +80,19 @@ def _check_graph(session: ort.InferenceSession, manifest: dict, folder: Path) ->
         )
 
 
+def attention_of(manifest: dict) -> str:
+    """How the graph attends: "standard" (ONNX MatMul and Softmax) or "gqa" (onnxruntime's CPU
+    GroupQueryAttention, which takes a later chunk of a prompt for one row only). Artifacts made before
+    the field existed are standard."""
+    return manifest.get("attention", "standard")
+
+
 def _providers(choice: str, manifest: dict) -> list:
     """CUDA first unless CPU is asked for or the graph attends through onnxruntime's CPU GroupQueryAttention;
     fp32 graphs keep fp32 matmuls (no TF32) so they match eager."""
     if choice not in ("auto", *PROVIDERS):
         raise ArtifactError(f"provider must be auto, cuda or cpu, not {choice!r}")
-    cpu_only = manifest.get("attention") == "gqa"  # see Artifact.attention
+    cpu_only = attention_of(manifest) == "gqa"
     if choice == "cuda" and cpu_only:
         raise ArtifactError(
             "this artifact attends through onnxruntime's GroupQueryAttention, validated on the CPU provider only; "
@@ -145,9 +152,7 @@ class Artifact:
 
     @property
     def attention(self) -> str:
-        """How the graph attends: "standard" (ONNX MatMul and Softmax) or "gqa" (onnxruntime's CPU
-        GroupQueryAttention, which takes a later chunk of a prompt for one row only)."""
-        return self.manifest.get("attention", "standard")
+        return attention_of(self.manifest)
 
     @property
     def vocab_size(self) -> int:

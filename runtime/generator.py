@@ -173,32 +173,33 @@ class Generator:
             return outputs[0].numpy()[:, -1] if want_logits else None
 
         on_host = cache.device == "cpu"
+        step_inputs = ("input_ids", "cache_position") if static else ("input_ids",)
         step_io: dict[str, tuple[np.ndarray, ort.OrtValue]] = {}  # ids, position, logits: host array, bound value
 
         def decode(token: np.ndarray, filled: int) -> np.ndarray:
             """One decode step. Ids, cache position and logits keep their buffers from step to step (on the CPU,
             numpy arrays that onnxruntime reads and writes in place, so nothing is copied through pybind); the
             mask (one column longer each step) and what the cache changed are the only bindings renewed."""
-            values = {"input_ids": token}
-            if static:
-                values["cache_position"] = np.array([filled], dtype=np.int64)
             if not step_io:
                 binding.clear_binding_inputs()
                 binding.clear_binding_outputs()
-                values["logits"] = np.empty((batch, 1, self.artifact.vocab_size), dtype=np.float32)
-                for name, value in values.items():
-                    step_io[name] = (value, ort.OrtValue.ortvalue_from_numpy(value, cache.device, 0))
+                arrays = {
+                    "input_ids": np.empty((batch, 1), dtype=np.int64),
+                    "cache_position": np.empty(1, dtype=np.int64),
+                    "logits": np.empty((batch, 1, self.artifact.vocab_size), dtype=np.float32),
+                }
+                for name in (*step_inputs, "logits"):
+                    step_io[name] = (arrays[name], ort.OrtValue.ortvalue_from_numpy(arrays[name], cache.device, 0))
                     bind = binding.bind_ortvalue_output if name == "logits" else binding.bind_ortvalue_input
                     bind(name, step_io[name][1])
                 cache.bind(binding)
             else:
-                for name, value in values.items():
-                    host, device = step_io[name]
-                    if on_host:
-                        host[...] = value
-                    else:
-                        device.update_inplace(value)
                 cache.rebind(binding)
+            for name, value in zip(step_inputs, (token, filled), strict=False):  # dynamic: no position
+                host, device = step_io[name]
+                host[...] = value
+                if not on_host:
+                    device.update_inplace(host)
             binding.bind_cpu_input("attention_mask", np.ascontiguousarray(mask[:, : filled + 1]))
             run_session()
             cache.advance(None if static else binding.get_outputs())

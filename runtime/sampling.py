@@ -43,15 +43,11 @@ def filtered_logits(
     Banning, then the repetition penalty; when sampling, then temperature, top-k and top-p. Each row depends only on
     its own logits and context. The input is not modified. The result equals transformers' processors' except where
     float rounding decides: a cumulative probability within rounding of 1 - top_p, or which of equal logits top-p cuts.
-    Plain greedy decoding has nothing to process and gets the logits back as they are, uncopied.
     """
     config.validate()
-    scores = np.asarray(logits, dtype=np.float32)
+    scores = np.array(logits, dtype=np.float32)
     if scores.ndim != 2:
         raise ValueError(f"logits must be [batch, vocab], got shape {scores.shape}")
-    if banned is None and config.repetition_penalty == 1.0 and config.temperature == 0:
-        return scores
-    scores = scores.copy() if scores is logits else scores
     if banned is not None:
         scores[:, np.asarray(banned, dtype=np.int64)] = -np.inf
         if np.isneginf(scores).all(axis=-1).any():
