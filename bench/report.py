@@ -86,7 +86,8 @@ def targets(results: dict) -> list[str]:
     at_2000 = {
         label: _step(results, cache, length, attention, 2000)
         for label, (cache, length, attention) in {
-            "dynamic": ("dynamic", None, "standard"),
+            "dynamic gqa": ("dynamic", None, "gqa"),
+            "dynamic standard": ("dynamic", None, "standard"),
             "static 2048 gqa": ("static", 2048, "gqa"),
             "static 2048 standard": ("static", 2048, "standard"),
         }.items()
@@ -116,7 +117,7 @@ def plots(results: dict, folder: Path) -> None:
         points = [p for p in results["sweep"] if (p["cache"], p["max_cache_len"] or 0, p["attention"]) == (
             cache, length, attention,
         )]  # fmt: skip
-        label = "dynamic" if cache == "dynamic" else f"static {length} {attention}"
+        label = f"dynamic {attention}" if cache == "dynamic" else f"static {length} {attention}"
         axis.plot([p["filled"] for p in points], [p["step_s"]["median"] * 1e3 for p in points], marker="o", label=label)
     axis.set_xlabel("filled positions")
     axis.set_ylabel("decode step, ms (median)")

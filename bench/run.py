@@ -23,17 +23,18 @@ HERE = Path(__file__).resolve().parent
 ARTIFACTS = HERE / ".artifacts"
 RESULTS = HERE / "results"
 MAIN_STATIC_LENGTH = 512
-# Runtime systems: the artifact each runs, as (cache, max_cache_len, attention). "runtime-static" is what a
-# static fp32 export gives by default (GroupQueryAttention); "runtime-static-standard" the portable graph.
+# Runtime systems: the artifact each runs, as (cache, max_cache_len, attention). "runtime-dynamic" and
+# "runtime-static" are what fp32 exports give by default (GroupQueryAttention); "-standard" the portable graph.
 RUNTIME_ARTIFACTS = {
-    "runtime-dynamic": ("dynamic", None, "standard"),
+    "runtime-dynamic": ("dynamic", None, "gqa"),
+    "runtime-dynamic-standard": ("dynamic", None, "standard"),
     "runtime-static": ("static", MAIN_STATIC_LENGTH, "gqa"),
     "runtime-static-standard": ("static", MAIN_STATIC_LENGTH, "standard"),
 }
 SYSTEMS = ("eager-dynamic", "eager-static", *RUNTIME_ARTIFACTS)
 SWEEP_FILLS = (64, 128, 200, 256, 512, 1024, 2000)
-SWEEP_ARTIFACTS = (("dynamic", None, "standard"), *(("static", n, "gqa") for n in (256, 1024, 2048)),
-                   ("static", 2048, "standard"))  # fmt: skip
+SWEEP_ARTIFACTS = (("dynamic", None, "gqa"), ("dynamic", None, "standard"),
+                   *(("static", n, "gqa") for n in (256, 1024, 2048)), ("static", 2048, "standard"))  # fmt: skip
 SWEEP_STEPS = 16
 
 

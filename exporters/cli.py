@@ -26,8 +26,8 @@ def parse_args(argv: list[str] | None) -> ExportOptions:
         "--attention",
         choices=ATTENTION_KINDS,
         default="auto",
-        help="gqa: onnxruntime's GroupQueryAttention over the static buffer in place (CPU provider); "
-        "standard: ONNX MatMul and Softmax, any provider; auto: gqa for static fp32 on cpu (default)",
+        help="gqa: onnxruntime's GroupQueryAttention, appending to the cache buffer in place (CPU provider); "
+        "standard: ONNX MatMul and Softmax, any provider; auto: gqa for fp32 on cpu (default)",
     )
     parser.add_argument(
         "--force", action="store_true", help="replace an existing artifact (only once the new one is good)"

@@ -96,18 +96,17 @@ def check_options(options: ExportOptions) -> ExportOptions:
 
 
 def _attention(options: ExportOptions) -> str:
-    """How the graph attends. "gqa", onnxruntime's GroupQueryAttention reading the static buffer in place,
+    """How the graph attends. "gqa", onnxruntime's GroupQueryAttention reading the cache buffer in place,
     is the fast path on the CPU provider, where it is validated; "standard" ONNX ops run everywhere.
-    `auto` picks gqa for static fp32 exports validated on the CPU."""
+    `auto` picks gqa for fp32 exports validated on the CPU."""
     if options.attention not in ATTENTION_KINDS:
         raise ExportError(f"--attention must be one of {', '.join(ATTENTION_KINDS)}, not {options.attention!r}")
     if options.attention == "auto":
-        fast = options.cache == "static" and options.dtype == "fp32" and options.provider == "cpu"
-        return "gqa" if fast else "standard"
-    if options.attention == "gqa" and (options.cache != "static" or options.provider != "cpu"):
+        return "gqa" if options.dtype == "fp32" and options.provider == "cpu" else "standard"
+    if options.attention == "gqa" and options.provider != "cpu":
         raise ExportError(
-            "--attention gqa needs --cache static and --provider cpu: it writes a static buffer in place, and "
-            "its attention bias is validated on onnxruntime's CPU provider only; use --attention standard"
+            "--attention gqa needs --provider cpu: its attention bias is validated on onnxruntime's CPU provider "
+            "only; use --attention standard"
         )
     return options.attention
 
@@ -215,9 +214,10 @@ def _build(options: ExportOptions, staging: Path, log: Callable[[str], None]) ->
         raise ExportError(f"onnxruntime cannot run the exported graph (opset {options.opset}): {error}") from None
     if options.provider == "cuda" and "CUDAExecutionProvider" not in session.get_providers():
         raise ExportError("--provider cuda: CUDA is not available to onnxruntime here; use --provider cpu")
-    batch = min(2, options.max_batch)
+    batch, longer_buffers = min(2, options.max_batch), in_place and not layout.static
     report = _stage(
-        log, "validate", lambda: validate_export(model, layout, program, session, options.max_cache_len, batch),
+        log, "validate",
+        lambda: validate_export(model, layout, program, session, options.max_cache_len, batch, longer_buffers),
         lambda r: f"eager vs ExportedProgram vs onnxruntime: prefill + {r.decode_steps} greedy steps, batch {batch}",
     )  # fmt: skip
     log(report.table())

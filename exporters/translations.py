@@ -1,8 +1,8 @@
 """Custom ONNX lowerings for the exporter: ops that torch.onnx would otherwise spell out node by node.
 
 - `aten.softplus` becomes one ONNX Softplus.
-- `kvg::static_cache_attention` (kvg_export/fox/in_place_attention.py) becomes onnxruntime's
-  com.microsoft GroupQueryAttention, with past and present the same cache buffer.
+- `kvg::group_query_attention` (kvg_export/fox/in_place_attention.py) becomes onnxruntime's
+  com.microsoft GroupQueryAttention, whose past and present the runtime binds to one cache buffer.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from onnxscript import INT32
 from onnxscript import opset18 as op
 from onnxscript.values import Op, Opset
 
-import kvg_export.fox.in_place_attention  # noqa: F401  (registers kvg::static_cache_attention)
+import kvg_export.fox.in_place_attention  # noqa: F401  (registers kvg::group_query_attention)
 
 
 def lower_softplus(x, beta: float = 1.0, threshold: float = 20.0):
@@ -58,7 +58,7 @@ def _group_query_attention_schema() -> OpSchema:
 GROUP_QUERY_ATTENTION = Op(Opset("com.microsoft", 1), "GroupQueryAttention", _group_query_attention_schema())
 
 
-def lower_static_cache_attention(
+def lower_group_query_attention(
     query, key, value, key_cache, value_cache, bias, allowed, cache_position, heads: int, kv_heads: int
 ):  # fmt: skip
     """Every row's last new key goes to the last cache position (`seqlens_k`); the window is the total
@@ -81,5 +81,5 @@ def lower_static_cache_attention(
 
 TRANSLATIONS = {
     torch.ops.aten.softplus.default: lower_softplus,
-    torch.ops.kvg.static_cache_attention.default: lower_static_cache_attention,
+    torch.ops.kvg.group_query_attention.default: lower_group_query_attention,
 }

@@ -16,14 +16,13 @@ from kvg_export import DynamicCache, FoxForCausalLM, StaticCache
 class ExportableFox(nn.Module):
     """One forward step over a dynamic cache (`past` may be empty) or a static one (written at cache_position).
 
-    `in_place_attention` (static only) attends through the op the exporter lowers to onnxruntime's
-    GroupQueryAttention; see `kvg_export/fox/in_place_attention.py`.
+    `in_place_attention` attends through the op the exporter lowers to onnxruntime's GroupQueryAttention;
+    see `kvg_export/fox/in_place_attention.py`. A dynamic graph then places the new tokens at the end of
+    the mask, not of `past`, so a runtime may pass key and value buffers longer than the filled positions.
     """
 
     def __init__(self, model: FoxForCausalLM, layout: CacheLayout, in_place_attention: bool = False):
         super().__init__()
-        if in_place_attention and not layout.static:
-            raise ValueError("in-place attention needs a static cache layout")
         self.model, self.layout, self.in_place_attention = model, layout, in_place_attention
 
     def _layer_tuples(self, past: tuple[torch.Tensor, ...]) -> list[tuple]:
@@ -40,6 +39,9 @@ class ExportableFox(nn.Module):
         `layout.past_names()` order.
         """
         cache_position, past = (rest[0], rest[1:]) if self.layout.static else (None, rest)
+        if self.in_place_attention and not self.layout.static:
+            total = attention_mask.shape[1]
+            cache_position = torch.arange(total - input_ids.shape[1], total, device=input_ids.device)
         layers = self._layer_tuples(past)
         cache = StaticCache.from_tensors(layers) if self.layout.static else DynamicCache(layers)
         out = self.model(

@@ -91,6 +91,25 @@ class GatedCache:
         self.offload(layer_idx)
         return result
 
+    def update_gates(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        gate_states: torch.Tensor,
+        layer_idx: int,
+        cache_kwargs: dict | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """As `update`, but store only the gates; the keys and values are written by a kernel that then hands
+        its buffers to `set_keys_values`. Returns that layer's keys and values before the update, gates after."""
+        if self.offloading:
+            raise ValueError("a kernel that writes the cache itself needs the cache on its device; turn offloading off")
+        if not is_tracing():
+            self._check_batch(layer_idx, key_states.shape[0])
+        return self._layer(layer_idx).update_gates(key_states, value_states, gate_states, cache_kwargs)
+
+    def set_keys_values(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self._layer(layer_idx).set_keys_values(keys, values)
+
     def update_shift(
         self,
         layer_idx: int,
@@ -224,15 +243,6 @@ class StaticCache(GatedCache):
         cache = cls(num_layers=0, max_cache_len=layers[0].max_cache_len)
         cache.layers = layers
         return cache
-
-    def update_gates(self, gate_states: torch.Tensor, layer_idx: int, cache_position: torch.Tensor):
-        """Write one layer's gates `[batch, heads, seq]` at `cache_position` and return its (keys, values,
-        gates) buffers; keys and values are the caller's to write (then `set_keys_values`)."""
-        return self._layer(layer_idx).update_gates(gate_states, cache_position)
-
-    def set_keys_values(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Hold the updated buffers a functional in-place kernel returned for this layer."""
-        self._layer(layer_idx).set_keys_values(keys, values)
 
     def early_initialization(
         self,

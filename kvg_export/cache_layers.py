@@ -123,6 +123,35 @@ class GatedLayer(ABC):
         """Store new entries; return the keys, values and gates attention should read."""
 
     @abstractmethod
+    def _store_gates(self, key_states, value_states, gate_states, cache_kwargs) -> Any:
+        """Check new entries against the layer, allocate on first use, and store their gates."""
+
+    def update_gates(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        gate_states: torch.Tensor,
+        cache_kwargs: dict[str, Any] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """As `update`, but store only the gates: the keys and values are left to a kernel that writes
+        them into the buffers itself (see `fox/in_place_attention.py`) and hands back the updated
+        buffers through `set_keys_values`. Returns the keys and values before the update and the gates
+        after it."""
+        self._store_gates(key_states, value_states, gate_states, cache_kwargs)
+        return self.keys, self.values, self.gates
+
+    def set_keys_values(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Hold the buffers such a kernel returned: as long as the gates, batch and heads unchanged."""
+        if not is_tracing():
+            expected = (*self.keys.shape[:2], self.gates.shape[2], self.keys.shape[3])
+            if keys.shape != expected or values.shape != expected:
+                raise ValueError(
+                    f"replacement buffers {tuple(keys.shape)} and {tuple(values.shape)} do not match this "
+                    f"layer's {expected}"
+                )
+        self.keys, self.values = keys, values
+
+    @abstractmethod
     def update_shift(
         self, key_shift: torch.Tensor | None = None, value_shift: torch.Tensor | None = None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -194,14 +223,17 @@ class DynamicLayer(GatedLayer):
         self.values = key_states.new_zeros((batch, kv_heads, 0, head_dim))
         self.gates = gate_states.new_zeros((batch, gate_states.shape[1], 0))
 
-    def update(self, key_states, value_states, gate_states, cache_kwargs=None):
+    def _store_gates(self, key_states, value_states, gate_states, cache_kwargs) -> None:
         if not is_tracing():
             check_states(self, key_states, value_states, gate_states)
         if self.keys is None:
             self.lazy_initialization(key_states, gate_states)
+        self.gates = torch.cat([self.gates, gate_states], dim=-1)
+
+    def update(self, key_states, value_states, gate_states, cache_kwargs=None):
+        self._store_gates(key_states, value_states, gate_states, cache_kwargs)
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
-        self.gates = torch.cat([self.gates, gate_states], dim=-1)
         return self.keys, self.values, self.gates
 
     def update_shift(self, key_shift=None, value_shift=None):
@@ -295,7 +327,8 @@ class StaticLayer(GatedLayer):
             )
         self.filled = max(self.filled, high + 1)
 
-    def update(self, key_states, value_states, gate_states, cache_kwargs=None):
+    def _store_gates(self, key_states, value_states, gate_states, cache_kwargs) -> torch.Tensor:
+        """Check the new entries, allocate on first use, write the gates; return where the entries go."""
         cache_position = (cache_kwargs or {}).get("cache_position")
         if cache_position is None:
             raise ValueError("a static cache layer needs cache_kwargs={'cache_position': ...} to know where to write")
@@ -305,32 +338,14 @@ class StaticLayer(GatedLayer):
         if self.keys is None:
             self.lazy_initialization(key_states, gate_states)
         positions = cache_position.to(self.keys.device)
-        seq_index = positions.view(1, 1, -1, 1)
+        self.gates.scatter_(2, positions.view(1, 1, -1).expand_as(gate_states), gate_states)
+        return positions
+
+    def update(self, key_states, value_states, gate_states, cache_kwargs=None):
+        seq_index = self._store_gates(key_states, value_states, gate_states, cache_kwargs).view(1, 1, -1, 1)
         self.keys.scatter_(2, seq_index.expand_as(key_states), key_states)
         self.values.scatter_(2, seq_index.expand_as(value_states), value_states)
-        self._scatter_gates(gate_states, positions)
         return self.keys, self.values, self.gates
-
-    def _scatter_gates(self, gate_states: torch.Tensor, positions: torch.Tensor) -> None:
-        self.gates.scatter_(2, positions.view(1, 1, -1).expand_as(gate_states), gate_states)
-
-    def update_gates(self, gate_states: torch.Tensor, cache_position: torch.Tensor):
-        """Write only the gates; the keys and values are left to a kernel that writes them itself (see
-        `fox/in_place_attention.py`), which hands its updated buffers to `set_keys_values`."""
-        if self.keys is None:
-            raise ValueError("this static cache layer is not allocated yet; call early_initialization first")
-        if not is_tracing():
-            self._check_positions(cache_position, gate_states.shape[2])
-        self._scatter_gates(gate_states, cache_position.to(self.gates.device))
-        return self.keys, self.values, self.gates
-
-    def set_keys_values(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        if keys.shape != self.keys.shape or values.shape != self.values.shape:
-            raise ValueError(
-                f"replacement buffers {tuple(keys.shape)} and {tuple(values.shape)} do not match this layer's "
-                f"{tuple(self.keys.shape)}"
-            )
-        self.keys, self.values = keys, values
 
     def update_shift(self, key_shift=None, value_shift=None):
         previous = []

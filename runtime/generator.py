@@ -122,9 +122,9 @@ class Generator:
         """Yield each token as it is chosen; the generator's return value is the GenerationResult."""
         return self._run(self.encode(prompts), config, keep_logits=False, text_events=True)
 
-    def _cache_for(self, batch: int) -> DeviceCache:
-        if self.cache is None or self.cache.batch != batch:
-            self.cache = DeviceCache(self.artifact, batch)
+    def _cache_for(self, batch: int, length: int) -> DeviceCache:
+        if self.cache is None or not self.cache.fits(batch, length):
+            self.cache = DeviceCache(self.artifact, batch, length)
         else:
             self.cache.reset()
         return self.cache
@@ -138,7 +138,7 @@ class Generator:
         for row, prompt in enumerate(prompts):
             ids[row, width - len(prompt) :], mask[row, width - len(prompt) : width] = prompt, 1
         static = self.artifact.static
-        cache = self._cache_for(batch)
+        cache = self._cache_for(batch, width + config.max_new_tokens - 1)  # the last new token is never fed back
         binding = self.artifact.session.io_binding()
         sampler = Sampler(config.sampling)
         stop_ids = set(self.eos) | set(config.stop_tokens)
@@ -202,7 +202,7 @@ class Generator:
                     device.update_inplace(host)
             binding.bind_cpu_input("attention_mask", np.ascontiguousarray(mask[:, : filled + 1]))
             run_session()
-            cache.advance(None if static else binding.get_outputs())
+            cache.advance(binding.get_outputs() if cache.feeds_back else None)
             host, device = step_io["logits"]
             return (host if on_host else device.numpy())[:, -1]
 

@@ -12,8 +12,10 @@ from conftest import STATIC_LENGTH
 
 from exporters import validate
 from exporters.cli import main
+from exporters.contract import cache_layout
 from exporters.export import ExportError, ExportOptions, export_artifact
 from exporters.manifest import MANIFEST_NAME
+from exporters.onnx_export import export_program
 from kvg_export.presets import load_model
 
 CASES = [
@@ -44,7 +46,7 @@ def test_the_artifact_holds_graph_manifest_and_model_files(artifact):
     assert manifest["cache"]["kind"] == cache and manifest["dtype"] == {"fp32": "float32", "fp16": "float16"}[dtype]
     assert manifest["cache"]["max_cache_len"] == (STATIC_LENGTH if cache == "static" else None)
     assert manifest["validation"]["passed"] and manifest["special_tokens"]["eos"] == [2]
-    assert manifest["attention"] == ("gqa" if (cache, dtype) == ("static", "fp32") else "standard")
+    assert manifest["attention"] == ("gqa" if dtype == "fp32" else "standard")
     assert not [p for p in result.path.parent.iterdir() if p.name.startswith(".")]  # no staging left behind
 
 
@@ -82,6 +84,33 @@ def test_a_failed_validation_leaves_no_artifact_and_keeps_the_old_one(tmp_path, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
 
 
+class WrongWithLongerBuffers:
+    """An onnxruntime session whose logits are off by 0.01 when the key buffers are longer than the mask."""
+
+    def __init__(self, session: ort.InferenceSession):
+        self.session = session
+
+    def run(self, names, feed):
+        outputs = self.session.run(names, feed)
+        if feed["past_key_values.0.key"].shape[2] > feed["attention_mask"].shape[1]:
+            outputs[0] = outputs[0] + 0.01
+        return outputs
+
+
+def test_a_gqa_dynamic_export_is_validated_with_buffers_longer_than_the_filled_positions(exported):
+    """The runtime runs a gqa dynamic graph with longer key and value buffers; validation must run it so too."""
+    path = exported("fox-tiny", "dynamic")[0].path
+    model = load_model("fox-tiny")
+    layout = cache_layout(model.config, static=False)
+    program, _ = export_program(model, layout, in_place_attention=True)
+    session = ort.InferenceSession(str(path / "model.onnx"), providers=["CPUExecutionProvider"])
+    assert validate.validate_export(model, layout, program, session, None, longer_buffers=True).passed
+    wrong = WrongWithLongerBuffers(session)
+    assert validate.validate_export(model, layout, program, wrong, None, longer_buffers=False).passed
+    report = validate.validate_export(model, layout, program, wrong, None, longer_buffers=True)
+    assert report.failure.startswith("prefill: onnxruntime logits differ by 1.00e-02")
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -91,8 +120,7 @@ def test_a_failed_validation_leaves_no_artifact_and_keeps_the_old_one(tmp_path, 
         (["fox-tiny", "--dtype", "bf16"], "bf16 graphs cannot be validated on onnxruntime's CPU provider"),
         (["fox-tiny", "--opset", "12"], "--opset 12 is not supported"),
         (["fox-tiny", "--max-batch", "0"], "--max-batch must be at least 1"),
-        (["fox-tiny", "--attention", "gqa"], "--attention gqa needs --cache static and --provider cpu"),
-        (["fox-tiny", "--cache", "static", "--attention", "gqa", "--provider", "cuda"], "needs --cache static and"),
+        (["fox-tiny", "--attention", "gqa", "--provider", "cuda"], "--attention gqa needs --provider cpu"),
     ],
 )
 def test_bad_input_is_refused_with_a_message_and_nothing_written(tmp_path, capsys, args, message):

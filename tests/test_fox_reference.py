@@ -133,9 +133,10 @@ def reference(model: FoxForCausalLM, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def make_cache(kind: str, model: FoxForCausalLM, batch: int = 1):
-    """A dynamic or static cache for `kind`; "static-in-place" kinds are attended through the op the exporter
-    lowers to onnxruntime's GroupQueryAttention, which writes keys and values into buffers allocated first."""
-    if kind == "dynamic":
+    """A dynamic or static cache for `kind`; "-in-place" kinds are attended through the op the exporter lowers
+    to onnxruntime's GroupQueryAttention, which writes keys and values into the buffers itself (a static
+    one's allocated first, as for export)."""
+    if kind.startswith("dynamic"):
         return DynamicCache()
     config = model.config
     cache = StaticCache(config.num_hidden_layers, max_cache_len=SEQ + 4)
@@ -150,7 +151,7 @@ def prefill_then_decode(model, ids, mask, cache, whole_buffer: bool = False, in_
 
     Each call's mask stops after its new tokens (a static cache attends over that window), or with
     `whole_buffer` is zero-extended to the static cache's length, so the whole buffer is attended.
-    `in_place` attends through `kvg::static_cache_attention`.
+    `in_place` attends through `kvg::group_query_attention`.
     """
 
     def mask_until(stop: int) -> torch.Tensor | None:
@@ -196,11 +197,11 @@ def test_tied_embeddings_share_storage():
 
 
 @option_param
-@pytest.mark.parametrize("cache_kind", ["dynamic", "static", "static-in-place"])
+@pytest.mark.parametrize("cache_kind", ["dynamic", "dynamic-in-place", "static", "static-in-place"])
 def test_decode(option, cache_kind):
     model = build(option)
     ids = token_ids(2)
-    in_place = cache_kind == "static-in-place"
+    in_place = cache_kind.endswith("in-place")
     logits = prefill_then_decode(model, ids, None, make_cache(cache_kind, model), in_place=in_place)
     expected = reference(model, ids[0])
     assert_matches(logits[0, :PREFILL], expected[:PREFILL], f"{option} {cache_kind} prefill")
@@ -211,12 +212,12 @@ def test_decode(option, cache_kind):
 @option_param
 @pytest.mark.parametrize(
     "cache_kind",
-    ["dynamic", "static", "static-whole-buffer", "static-in-place", "static-in-place-whole-buffer"],
+    ["dynamic", "dynamic-in-place", "static", "static-whole-buffer", "static-in-place", "static-in-place-whole-buffer"],
 )
 def test_left_padded_batch(option, cache_kind):
     model = build(option)
     ids, mask = padded_batch(3)
-    whole_buffer, in_place = cache_kind.endswith("whole-buffer"), cache_kind.startswith("static-in-place")
+    whole_buffer, in_place = cache_kind.endswith("whole-buffer"), "in-place" in cache_kind
     logits = prefill_then_decode(model, ids, mask, make_cache(cache_kind, model, batch=2), whole_buffer, in_place)
     for row, start in ((0, PAD), (1, 0)):
         expected = reference(model, ids[row, start:])

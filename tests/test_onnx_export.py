@@ -36,7 +36,7 @@ def small_model(name):
     return model
 
 
-KINDS = ("dynamic", "static", "static-gqa")  # static-gqa: attention lowered to GroupQueryAttention
+KINDS = ("dynamic", "dynamic-gqa", "static", "static-gqa")  # -gqa: attention lowered to GroupQueryAttention
 
 
 @pytest.fixture(scope="module", params=[(c, k) for c in CONFIGS for k in KINDS], ids=lambda p: "-".join(p))
@@ -44,9 +44,9 @@ def exported(request, tmp_path_factory):
     name, kind = request.param
     model = small_model(name)
     config = model.config
-    layout = cache_layout(config, static=kind != "dynamic")
+    layout = cache_layout(config, static=kind.startswith("static"))
     length = MAX_CACHE_LEN if layout.static else None
-    program, example = export_program(model, layout, length, in_place_attention=kind == "static-gqa")
+    program, example = export_program(model, layout, length, in_place_attention=kind.endswith("gqa"))
     path = tmp_path_factory.mktemp(f"{name}-{kind}") / "model.onnx"
     lower_to_onnx(program, example, layout, path, DEFAULT_OPSET, external_data=False)
     return model, layout, path
@@ -74,10 +74,13 @@ def run_steps(model, layout, path, ids, mask):
     """Prefill 5 tokens then decode one at a time through onnxruntime, feeding present back as past.
 
     A static graph is given a mask as long as its buffer, which it must accept, except that a
-    GroupQueryAttention graph takes a batch's first chunk only with the mask of exactly that chunk."""
+    GroupQueryAttention graph takes a batch's first chunk only with the mask of exactly that chunk.
+    A dynamic GroupQueryAttention graph is given key and value buffers longer than the filled positions,
+    as the runtime gives it, and must keep them that long."""
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     batch, total = ids.shape
     config = model.config
+    gqa = uses_group_query_attention(path)
     length = MAX_CACHE_LEN if layout.static else 0
     past = {}
     for name in layout.past_names():
@@ -85,7 +88,7 @@ def run_steps(model, layout, path, ids, mask):
         if field == "gate":
             shape = (batch, config.num_heads, length)
         elif field in ("key", "value"):
-            shape = (batch, config.kv_heads, length, config.head_dim)
+            shape = (batch, config.kv_heads, MAX_CACHE_LEN if gqa else length, config.head_dim)
         else:
             shape = (batch, config.kv_heads * config.head_dim)
         past[name] = np.zeros(shape, dtype=np.float32)
@@ -95,11 +98,13 @@ def run_steps(model, layout, path, ids, mask):
     for start, stop in [(0, 5), *((t, t + 1) for t in range(5, total))]:
         feed = {"input_ids": ids[:, start:stop].numpy(), **past}
         if layout.static:
-            window = full_mask[:, :stop] if start == 0 and uses_group_query_attention(path) else full_mask
+            window = full_mask[:, :stop] if start == 0 and gqa else full_mask
             feed |= {"attention_mask": window, "cache_position": np.arange(start, stop)}
         else:
             feed["attention_mask"] = mask[:, :stop].numpy()
         outputs = dict(zip(layout.output_names(), session.run(None, feed), strict=True))
+        if gqa:
+            assert outputs["present.0.key"].shape[2] == MAX_CACHE_LEN
         logits.append(outputs["logits"])
         past = {p: outputs[q] for p, q in zip(layout.past_names(), layout.present_names(), strict=True)}
     return np.concatenate(logits, axis=1)
@@ -166,19 +171,22 @@ def test_the_softplus_lowering_matches_torch_across_the_gate_range(beta):
     assert "Where" not in {node.op_type for node in program.model_proto.graph.node}
 
 
-def test_each_static_buffer_is_read_by_the_one_node_that_writes_its_present(exported):
-    """What lets the runtime bind one buffer as past and present: no other node reads a past tensor's data
-    (Shape reads only its size). Standard graphs write keys and values with ScatterElements; gqa graphs
-    with GroupQueryAttention."""
+def test_each_in_place_buffer_is_read_by_the_one_node_that_writes_its_present(exported):
+    """What lets the runtime bind one buffer as past and present: no other node reads a past tensor's data.
+    Standard static graphs write keys and values with ScatterElements, gqa graphs with GroupQueryAttention,
+    and static gates with ScatterElements. In a dynamic gqa graph no other node reads even the key and
+    value buffers' size, which the runtime makes longer than the filled positions."""
     _, layout, path = exported
-    if not layout.static:
-        pytest.skip("a dynamic graph's present is a new tensor, past + seq long")
+    gqa = uses_group_query_attention(path)
+    if not layout.static and not gqa:
+        pytest.skip("a standard dynamic graph's present is a new tensor, past + seq long")
     nodes = onnx.load(str(path)).graph.node
-    writer_of_keys = "GroupQueryAttention" if uses_group_query_attention(path) else "ScatterElements"
     for past, present in zip(layout.past_names(), layout.present_names(), strict=True):
-        if past.endswith("shift"):
-            continue  # read by the token shift besides being replaced; the runtime swaps two buffers
-        readers = [n for n in nodes if past in n.input and n.op_type != "Shape"]
+        key_or_value = past.endswith((".key", ".value"))
+        if past.endswith("shift") or not (layout.static or key_or_value):
+            continue  # read besides being replaced: the runtime swaps two buffers or feeds present back
+        readers = [n for n in nodes if past in n.input and (n.op_type != "Shape" or not layout.static)]
         writers = [n for n in nodes if present in n.output]
         assert len(readers) == 1 and writers == readers
-        assert readers[0].op_type == (writer_of_keys if past.endswith((".key", ".value")) else "ScatterElements")
+        writer = "GroupQueryAttention" if gqa and key_or_value else "ScatterElements"
+        assert readers[0].op_type == writer

@@ -29,16 +29,28 @@ def dynamic_artifact(exported):
     return exported("fox-tiny", "dynamic")[0].path
 
 
-def test_the_static_cache_is_updated_in_place_in_buffers_kept_across_calls(static_artifact):
-    generator = Generator.open(static_artifact, CPU)
+@pytest.mark.parametrize("kind", ["static", "dynamic"])
+def test_in_place_buffers_keep_their_addresses_across_steps_and_calls(kind, static_artifact, dynamic_artifact):
+    """A static artifact's keys, values and gates, and a gqa dynamic artifact's keys and values, are written
+    in place by the graph, in buffers a later generation reuses when they are long enough."""
+    generator = Generator.open(static_artifact if kind == "static" else dynamic_artifact, CPU)
     seen = []
 
     def record(_event):
-        seen.append({name: value.data_ptr() for name, value in generator.cache.past.items() if "shift" not in name})
+        seen.append({name: generator.cache.past[name].data_ptr() for name in generator.cache.in_place})
 
     generator.generate(PROMPTS, GenerationConfig(max_new_tokens=6, min_new_tokens=6), on_token=record)
     generator.generate(PROMPTS, GenerationConfig(max_new_tokens=4, min_new_tokens=4), on_token=record)
-    assert len(seen) == 3 * (6 + 4) and all(addresses == seen[0] for addresses in seen)
+    assert seen[0] and len(seen) == 3 * (6 + 4) and all(addresses == seen[0] for addresses in seen)
+
+
+def test_a_longer_generation_after_a_shorter_one_gets_longer_buffers(dynamic_artifact):
+    generator = Generator.open(dynamic_artifact, CPU)
+    long = GenerationConfig(max_new_tokens=20, min_new_tokens=20)
+    generator.generate(PROMPTS, GenerationConfig(max_new_tokens=3, min_new_tokens=3))
+    assert (
+        generator.generate(PROMPTS, long).tokens == Generator.open(dynamic_artifact, CPU).generate(PROMPTS, long).tokens
+    )
 
 
 @pytest.mark.parametrize("attention", ["gqa", "standard"])
@@ -178,8 +190,9 @@ def test_a_missing_or_broken_artifact_is_refused_with_a_message(dynamic_artifact
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA, so the request is valid here")
-def test_asking_for_cuda_where_there_is_none_is_an_error(dynamic_artifact, capsys):
-    assert main([str(dynamic_artifact), "--ids", "5,6", "--provider", "cuda"]) == 2
+def test_asking_for_cuda_where_there_is_none_is_an_error(exported, capsys):
+    portable = exported("fox-pro-tiny", "dynamic", attention="standard")[0].path
+    assert main([str(portable), "--ids", "5,6", "--provider", "cuda"]) == 2
     assert "CUDA is not available" in capsys.readouterr().err
 
 

@@ -52,18 +52,18 @@ def test_runtime_on_cuda_generates_what_eager_generates(exported, preset, cache,
 
 
 @pytest.mark.parametrize("prompt_kind", PROMPTS)
-@pytest.mark.parametrize("preset", ["fox-tiny", "fox-pro-tiny"])
-def test_a_static_artifact_with_standard_attention_generates_what_eager_generates(
-    exported, preset, prompt_kind
-):  # fmt: skip
-    """Static fp32 exports attend through GroupQueryAttention by default; the portable path must hold too."""
-    check_parity(exported, preset, "static", prompt_kind, "cpu", attention="standard")
+@pytest.mark.parametrize(
+    ("preset", "cache"), [("fox-tiny", "static"), ("fox-pro-tiny", "static"), ("fox-pro-tiny", "dynamic")]
+)
+def test_an_artifact_with_standard_attention_generates_what_eager_generates(exported, preset, cache, prompt_kind):
+    """fp32 exports attend through GroupQueryAttention by default; the portable path must hold too."""
+    check_parity(exported, preset, cache, prompt_kind, "cpu", attention="standard")
 
 
 def check_parity(exported, preset, cache, prompt_kind, provider, attention="auto"):
     result, _ = exported(preset, cache, attention=attention)
     manifest = json.loads((result.path / "kvg_config.json").read_text())
-    assert manifest["attention"] == ("gqa" if cache == "static" and attention == "auto" else "standard")
+    assert manifest["attention"] == ("gqa" if attention == "auto" else attention)
     model = load_model(preset)
     prompts = random_prompts(PROMPTS[prompt_kind], model.config.vocab_size, seed=len(preset))
     want_tokens, want_logits = eager_generate(model, prompts)

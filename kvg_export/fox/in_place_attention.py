@@ -1,9 +1,14 @@
-"""Attention that writes the new keys and values into a static cache and attends over its window, as one op.
+"""Attention that writes the new keys and values into the cache buffer itself and attends over its window, as one op.
 
-`kvg::static_cache_attention` has the semantics of onnxruntime's GroupQueryAttention with past and
-present sharing one buffer: the exporter lowers it to that node, which reads only the filled window of
-the buffer and appends in place, where the standard graph scatters and then copies the window out
-(fox-small at 2000 filled positions: 17.1 ms a step against 32.1 ms, onnxruntime 1.31's CPU provider).
+`kvg::group_query_attention` has the semantics of onnxruntime's GroupQueryAttention, and the exporter
+lowers it to that node. Its present is as long as the longer of the past and the window, so one graph
+serves both caches:
+- a static buffer of `max_cache_len` keeps its length, and the runtime binds it as past and present, so
+  the node appends in place and reads only the filled window, where the standard graph scatters and
+  then copies the window out (fox-small at 2000 filled positions: 17.1 ms a step against 32.1 ms);
+- a dynamic past exactly as long as the filled positions grows by the new ones (the contract's
+  `past + seq`), while the runtime may instead pass a longer buffer and bind it as present too, so a
+  dynamic step appends in place rather than copying every cached key and value into a new present.
 Here it is written with PyTorch's own scaled_dot_product_attention, so that the ExportedProgram is
 checked against the eager FoX attention by an independent computation.
 """
@@ -14,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 
-@torch.library.custom_op("kvg::static_cache_attention", mutates_args=())
-def static_cache_attention(
+@torch.library.custom_op("kvg::group_query_attention", mutates_args=())
+def group_query_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -28,24 +33,25 @@ def static_cache_attention(
     kv_heads: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """query `[batch, seq, heads*head_dim]`; key, value `[batch, seq, kv_heads*head_dim]`; key_cache,
-    value_cache `[batch, kv_heads, max_cache_len, head_dim]`; bias `[batch, heads, seq, window]` float32,
-    added to the scaled scores where `allowed` `[batch, 1, seq, window]` is true (the other scores become
-    float32's minimum; every query must be allowed some key); cache_position `[seq]`, consecutive slots
-    inside the window, where the new keys and values go.
+    value_cache `[batch, kv_heads, past, head_dim]`; bias `[batch, heads, seq, window]` float32, added to
+    the scaled scores where `allowed` `[batch, 1, seq, window]` is true (the other scores become float32's
+    minimum; every query must be allowed some key); cache_position `[seq]`, the consecutive slots inside the
+    window that the new keys and values go to.
 
-    Returns the attention output `[batch, seq, heads*head_dim]` and the updated caches, whose slots after
-    the last new one are zero, as onnxruntime leaves them when past and present are separate buffers
-    (the runtime binds one buffer to both, and no slot after the last new one is read).
+    Returns the attention output `[batch, seq, heads*head_dim]` and the updated caches, `max(past,
+    window)` long, whose slots after the window are zero, as onnxruntime leaves them when past and
+    present are separate buffers (the runtime binds one buffer to both, and no slot after the window is
+    read).
     """
     batch, seq, _ = query.shape
     window, head_dim = allowed.shape[-1], key_cache.shape[-1]
-    end = int(cache_position[-1]) + 1
+    start = int(cache_position[0])
     caches = []
     for cache, new in ((key_cache, key), (value_cache, value)):
-        cache = cache.clone()
-        cache[:, :, end - seq : end] = new.view(batch, seq, kv_heads, head_dim).transpose(1, 2)
-        cache[:, :, end:] = 0
-        caches.append(cache)
+        grown = cache.new_zeros(batch, kv_heads, max(cache.shape[2], window), head_dim)
+        grown[:, :, :start] = cache[:, :, :start]
+        grown[:, :, start : start + seq] = new.view(batch, seq, kv_heads, head_dim).transpose(1, 2)
+        caches.append(grown)
     queries = query.view(batch, seq, heads, head_dim).transpose(1, 2)
     mask = torch.where(allowed, bias, torch.finfo(torch.float32).min).to(query.dtype)
     out = F.scaled_dot_product_attention(
@@ -54,6 +60,14 @@ def static_cache_attention(
     return out.transpose(1, 2).reshape(batch, seq, heads * head_dim), caches[0], caches[1]
 
 
-@static_cache_attention.register_fake
+@group_query_attention.register_fake
 def _(query, key, value, key_cache, value_cache, bias, allowed, cache_position, heads, kv_heads):
-    return torch.empty_like(query), torch.empty_like(key_cache), torch.empty_like(value_cache)
+    batch, kv_heads_, past, head_dim = key_cache.shape
+    # A static buffer's length is a number no window exceeds (attention_pattern refuses a longer mask); a
+    # dynamic past's is symbolic, and the window may be longer
+    length = past if isinstance(past, int) else torch.sym_max(past, allowed.shape[-1])
+    return (
+        torch.empty_like(query),
+        key_cache.new_empty(batch, kv_heads_, length, head_dim),
+        value_cache.new_empty(batch, kv_heads_, length, head_dim),
+    )

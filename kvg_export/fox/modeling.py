@@ -21,7 +21,7 @@ from kvg_export.cache import DynamicCache, GatedCache, StaticCache
 from kvg_export.cache_layers import SHIFT_FIELDS, is_tracing
 from kvg_export.fox.attention import forgetting_attention, gate_bias
 from kvg_export.fox.configuration import FoxConfig
-from kvg_export.fox.in_place_attention import static_cache_attention
+from kvg_export.fox.in_place_attention import group_query_attention
 from kvg_export.fox.layers import QK_NORM_EPS, GatedMLP, HeadRMSNorm, RMSNorm, ShiftLinear, rotate
 
 
@@ -153,20 +153,25 @@ class ForgettingAttention(nn.Module):
         return forgetting_attention(query, keys, values, log_gates, cache_position, allowed).transpose(1, 2).flatten(2)
 
     def _attend_in_place(self, query, keys, values, log_gates, cache_position, allowed, cache) -> torch.Tensor:
-        """A static-cache step as one `kvg::static_cache_attention` op, which the exporter lowers to
-        onnxruntime's GroupQueryAttention: it writes the new keys and values at cache_position itself and
-        reads only the window. Takes and returns the `[batch, seq, heads * head_dim]` layout."""
-        if not isinstance(cache, StaticCache):
-            raise ValueError("in_place_attention needs a static cache")
+        """A step as one `kvg::group_query_attention` op, which the exporter lowers to onnxruntime's
+        GroupQueryAttention: it writes the new keys and values into the cache buffer itself and reads only
+        the window. Takes and returns the `[batch, seq, heads * head_dim]` layout."""
+        if cache is None:
+            raise ValueError("in_place_attention needs a cache to write to")
         batch, seq = query.shape[:2]
         window = allowed.shape[-1]
         if not is_tracing():
             first = int(cache_position[0])
             if not torch.equal(cache_position.cpu(), torch.arange(first, first + seq)):
                 raise ValueError("in-place attention writes the new tokens to consecutive cache positions")
-        key_cache, value_cache, gates = cache.update_gates(log_gates, self.layer_idx, cache_position)
-        bias = gate_bias(gates[..., :window], cache_position)
-        out, key_cache, value_cache = static_cache_attention(
+        per_head = (t.unflatten(-1, (self.kv_heads, self.head_dim)).transpose(1, 2) for t in (keys, values))
+        key_cache, value_cache, gates = cache.update_gates(
+            *per_head, log_gates, self.layer_idx, {"cache_position": cache_position}
+        )
+        if isinstance(cache, StaticCache):
+            gates = gates[..., :window]
+        bias = gate_bias(gates, cache_position)
+        out, key_cache, value_cache = group_query_attention(
             query, keys, values, key_cache, value_cache, bias, allowed.expand(batch, -1, -1, -1), cache_position,
             self.heads, self.kv_heads,
         )  # fmt: skip
@@ -287,8 +292,9 @@ class FoxModel(FoxPreTrainedModel):
         in_place_attention: bool = False,
         **kwargs,
     ) -> BaseModelOutputWithPast:
-        """`in_place_attention` (static caches): attend through `kvg::static_cache_attention`, the form the
-        exporter lowers to onnxruntime's GroupQueryAttention."""
+        """`in_place_attention`: attend through `kvg::group_query_attention`, the form the exporter lowers to
+        onnxruntime's GroupQueryAttention; the attention window is then the mask's length, as for a static
+        cache, and must end with the new tokens."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         hidden = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
@@ -303,7 +309,7 @@ class FoxModel(FoxPreTrainedModel):
             past = cache.get_seq_length() if cache is not None else 0
             cache_position = torch.arange(past, past + seq, device=hidden.device)
         kv_length = cache.get_mask_sizes(cache_position)[0] if cache is not None else seq
-        windowed = isinstance(cache, StaticCache)
+        windowed = isinstance(cache, StaticCache) or in_place_attention
         positions, keep, allowed = attention_pattern(attention_mask, cache_position, kv_length, batch, windowed)
         for block in self.layers:
             hidden = block(hidden, positions, cache_position, keep, allowed, cache, in_place_attention)
