@@ -3,9 +3,9 @@
 Each cache tensor is held in one of three ways between steps:
 - in place: one buffer bound as both `past_key_values.*` and `present.*`, which the graph writes the new
   entries into, so nothing about it moves between steps. A static artifact holds its keys, values and
-  gates so; a gqa dynamic artifact its keys and values, in buffers as long as the generation needs,
-  which onnxruntime's GroupQueryAttention appends to (present is as long as the longer of past and
-  the attention window);
+  gates so; a gqa dynamic artifact its keys and values, which onnxruntime's GroupQueryAttention
+  appends to (present is as long as the longer of past and the attention window), in buffers that
+  `reserve` makes long enough and doubles when they are not, so growing costs O(1) a step on average;
 - swapped: two buffers that trade roles every step, for a static artifact's shift states, which the
   graph reads besides replacing;
 - fed back: `present.*` left on the device by onnxruntime and bound as the next step's `past_*` (every
@@ -25,11 +25,11 @@ def _field(name: str) -> str:
 
 
 class DeviceCache:
-    def __init__(self, artifact: Artifact, batch: int, length: int):
-        """`length`: the cache positions this generation needs (prompt and new tokens)."""
+    def __init__(self, artifact: Artifact, batch: int):
         self.artifact, self.batch, self.device = artifact, batch, artifact.device
         appends = not artifact.static and artifact.attention == "gqa"
-        self.length = length if appends else None  # the in-place buffers' length where it depends on the request
+        self.length = 0 if appends else None  # the in-place buffers' length where `reserve` sets it
+        self.moved = False  # in-place buffers were replaced since they were last bound
         self.pairs = list(zip(artifact.past_names(), artifact.present_names(), strict=True))
         if artifact.static:
             self.in_place = {past for past, _ in self.pairs if not _field(past).endswith("shift")}
@@ -42,9 +42,18 @@ class DeviceCache:
         self.spare: dict[str, ort.OrtValue] = {}  # swapped tensors: the buffer present is written to
         self.reset()
 
-    def fits(self, batch: int, length: int) -> bool:
-        """Whether a generation of `batch` rows needing `length` positions can reuse these buffers."""
-        return batch == self.batch and (self.length is None or length <= self.length)
+    def reserve(self, length: int) -> None:
+        """Make a gqa dynamic artifact's key and value buffers hold `length` positions: at least double
+        them, keeping what they hold (on the CPU, where GroupQueryAttention runs)."""
+        if self.length is None or length <= self.length:
+            return
+        grown_length = max(length, 2 * self.length)
+        for past in self.in_place:
+            held = self.past[past].numpy()
+            grown = np.zeros((*held.shape[:2], grown_length, *held.shape[3:]), held.dtype)
+            grown[:, :, : self.length] = held
+            self.past[past] = ort.OrtValue.ortvalue_from_numpy(grown, self.device, 0)
+        self.length, self.moved = grown_length, True
 
     def _zeros(self, name: str) -> ort.OrtValue:
         spec = self.artifact.input_spec(name)
@@ -72,6 +81,7 @@ class DeviceCache:
 
     def bind(self, binding: ort.IOBinding) -> None:
         """Bind every past input and present output (after `logits`, which the caller binds first)."""
+        self.moved = False
         for past, present in self.pairs:
             binding.bind_ortvalue_input(past, self.past[past])
             if past in self.in_place:
@@ -82,7 +92,10 @@ class DeviceCache:
                 binding.bind_output(present, self.device)
 
     def rebind(self, binding: ort.IOBinding) -> None:
-        """Between decode steps: bind what `advance` changed; in-place buffers stay bound."""
+        """Between decode steps: bind what `advance` or `reserve` changed; other in-place buffers stay bound."""
+        if self.moved:
+            self.bind(binding)
+            return
         for past, present in self.swapped.items():
             binding.bind_ortvalue_input(past, self.past[past])
             binding.bind_ortvalue_output(present, self.spare[past])

@@ -19,6 +19,10 @@ from runtime.artifact import Artifact, ArtifactError, SessionOptions
 from runtime.device_cache import DeviceCache
 from runtime.sampling import Sampler, SamplingConfig
 
+# A gqa dynamic artifact's key and value buffers first hold the prompt and up to this many new tokens, and
+# double when a generation goes further: a long max_new_tokens allocates only what is generated.
+RESERVED_NEW_TOKENS = 256
+
 
 @dataclass(frozen=True)
 class GenerationConfig:
@@ -122,9 +126,9 @@ class Generator:
         """Yield each token as it is chosen; the generator's return value is the GenerationResult."""
         return self._run(self.encode(prompts), config, keep_logits=False, text_events=True)
 
-    def _cache_for(self, batch: int, length: int) -> DeviceCache:
-        if self.cache is None or not self.cache.fits(batch, length):
-            self.cache = DeviceCache(self.artifact, batch, length)
+    def _cache_for(self, batch: int) -> DeviceCache:
+        if self.cache is None or self.cache.batch != batch:
+            self.cache = DeviceCache(self.artifact, batch)
         else:
             self.cache.reset()
         return self.cache
@@ -138,7 +142,8 @@ class Generator:
         for row, prompt in enumerate(prompts):
             ids[row, width - len(prompt) :], mask[row, width - len(prompt) : width] = prompt, 1
         static = self.artifact.static
-        cache = self._cache_for(batch, width + config.max_new_tokens - 1)  # the last new token is never fed back
+        cache = self._cache_for(batch)
+        cache.reserve(width + min(config.max_new_tokens - 1, RESERVED_NEW_TOKENS))  # the last is never fed back
         binding = self.artifact.session.io_binding()
         sampler = Sampler(config.sampling)
         stop_ids = set(self.eos) | set(config.stop_tokens)
@@ -180,6 +185,7 @@ class Generator:
             """One decode step. Ids, cache position and logits keep their buffers from step to step (on the CPU,
             numpy arrays that onnxruntime reads and writes in place, so nothing is copied through pybind); the
             mask (one column longer each step) and what the cache changed are the only bindings renewed."""
+            cache.reserve(filled + 1)
             if not step_io:
                 binding.clear_binding_inputs()
                 binding.clear_binding_outputs()

@@ -9,7 +9,7 @@ import torch
 from exporters.validate import TOLERANCES
 from kvg_export.presets import load_model
 from runtime.artifact import SessionOptions
-from runtime.generator import GenerationConfig, Generator
+from runtime.generator import RESERVED_NEW_TOKENS, GenerationConfig, Generator
 
 PRESETS = ("fox-tiny", "fox-pro-tiny", "fox-gqa-tiny", "fox-small")
 NEW_TOKENS = 64
@@ -80,12 +80,25 @@ def test_a_static_artifact_fills_its_buffer_to_the_last_slot(exported):
     """The last step attends over the whole buffer, a window one longer than the export traced."""
     result, _ = exported("fox-tiny", "static")
     length = json.loads((result.path / "kvg_config.json").read_text())["cache"]["max_cache_len"]
+    assert_generates_what_eager_generates(result.path, [length + 1 - NEW_TOKENS, 7], NEW_TOKENS)
+
+
+def test_a_dynamic_generation_outgrowing_its_first_buffers_generates_what_eager_generates(exported):
+    """A gqa dynamic artifact's key and value buffers are doubled mid-generation, keeping what they hold."""
+    generator = assert_generates_what_eager_generates(
+        exported("fox-tiny", "dynamic")[0].path, [5, 11], RESERVED_NEW_TOKENS + 40
+    )
+    assert generator.cache.length == 2 * (11 + RESERVED_NEW_TOKENS)
+
+
+def assert_generates_what_eager_generates(path, prompt_lengths, new_tokens) -> Generator:
     model = load_model("fox-tiny")
-    prompts = random_prompts([length + 1 - NEW_TOKENS, 7], model.config.vocab_size, seed=3)
-    want_tokens, want_logits = eager_generate(model, prompts)
-    generator = Generator.open(result.path, SessionOptions(provider="cpu"))
-    config = GenerationConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+    prompts = random_prompts(prompt_lengths, model.config.vocab_size, seed=3)
+    want_tokens, want_logits = eager_generate(model, prompts, new_tokens)
+    generator = Generator.open(path, SessionOptions(provider="cpu"))
+    config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens)
     got = generator.generate(prompts, config, keep_logits=True)
     assert got.tokens == want_tokens
     worst = max(float(np.abs(g - w).max()) for g, w in zip(got.step_logits, want_logits, strict=True))
     assert worst < TOLERANCES["float32"]
+    return generator
