@@ -5,8 +5,8 @@ system carrying its own cache, present fed back as past). Every step's logits an
 are compared with eager's; an export whose differences pass the dtype's tolerance is good.
 
 A gqa dynamic graph is run by onnxruntime twice per step: as the contract says (past exactly as long as
-the filled positions) and as the runtime runs it (key and value buffers longer than that, which present
-keeps), so both are checked against the same eager step.
+the filled positions) and as the runtime runs it (key, value and gate buffers longer than that, which
+present keeps), so both are checked against the same eager step.
 """
 
 from __future__ import annotations
@@ -106,8 +106,8 @@ def validate_export(
     longer_buffers: bool = False,
 ) -> ValidationReport:
     """Run prefill plus DECODE_STEPS greedy steps through the three systems and compare them with eager;
-    `longer_buffers` (gqa dynamic graphs) also runs onnxruntime with key and value buffers longer than the
-    filled positions."""
+    `longer_buffers` (gqa dynamic graphs) also runs onnxruntime with key, value and gate buffers longer
+    than the filled positions."""
     dtype = str(model.dtype).removeprefix("torch.")
     report = ValidationReport(dtype, TOLERANCES[dtype], batch, PROMPT_LENGTH, DECODE_STEPS)
     ids, mask = validation_prompt(model.config.vocab_size, batch, model.config.pad_token_id or 0)
@@ -123,8 +123,9 @@ def validate_export(
     if longer_buffers:
         capacity = 2 * (PROMPT_LENGTH + DECODE_STEPS)  # longer than every step fills
         pasts["onnx-longer"] = [
-            np.zeros(cache_shape(model.config, "key", batch, capacity), t.dtype) if t.ndim == 4 else t.copy()
-            for t in pasts["onnx"]
+            np.zeros(cache_shape(model.config, name.rsplit(".", 1)[1], batch, capacity), t.dtype)
+            if t.ndim > 2 else t.copy()  # keys, values and gates; shift states have no length
+            for name, t in zip(layout.past_names(), pasts["onnx"], strict=True)
         ]  # fmt: skip
     tokens, full_mask, start = ids, mask, 0
     for step in range(DECODE_STEPS + 1):
@@ -165,8 +166,8 @@ def validate_export(
 
 
 def _filled(present: np.ndarray, want: torch.Tensor) -> np.ndarray:
-    """A present key or value cut to eager's length (a longer buffer keeps its length)."""
-    return present[:, :, : want.shape[2]] if present.ndim == 4 else present
+    """A present key, value or gate cut to eager's length (a longer buffer keeps its length)."""
+    return present[:, :, : want.shape[2]] if present.ndim > 2 else present
 
 
 def _failure(entry: StepReport, logits, eager_next, onnx_next: list, tolerance: float) -> str | None:

@@ -18,7 +18,7 @@ class ExportableFox(nn.Module):
 
     `in_place_attention` attends through the op the exporter lowers to onnxruntime's GroupQueryAttention;
     see `kvg_export/fox/in_place_attention.py`. A dynamic graph then places the new tokens at the end of
-    the mask, not of `past`, so a runtime may pass key and value buffers longer than the filled positions.
+    the mask, not of `past`, so a runtime may pass cache buffers longer than the filled positions.
     """
 
     def __init__(self, model: FoxForCausalLM, layout: CacheLayout, in_place_attention: bool = False):

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 TENSOR_FIELDS = ("keys", "values", "gates", "key_shift", "value_shift")
 SHIFT_FIELDS = ("key_shift", "value_shift")
@@ -223,12 +224,27 @@ class DynamicLayer(GatedLayer):
         self.values = key_states.new_zeros((batch, kv_heads, 0, head_dim))
         self.gates = gate_states.new_zeros((batch, gate_states.shape[1], 0))
 
-    def _store_gates(self, key_states, value_states, gate_states, cache_kwargs) -> None:
+    def _check_and_allocate(self, key_states, value_states, gate_states) -> None:
         if not is_tracing():
             check_states(self, key_states, value_states, gate_states)
         if self.keys is None:
             self.lazy_initialization(key_states, gate_states)
+
+    def _store_gates(self, key_states, value_states, gate_states, cache_kwargs) -> None:
+        self._check_and_allocate(key_states, value_states, gate_states)
         self.gates = torch.cat([self.gates, gate_states], dim=-1)
+
+    def update_gates(self, key_states, value_states, gate_states, cache_kwargs=None):
+        """As GatedLayer's, but the gates are held as such a kernel holds keys and values (see
+        `fox/in_place_attention.py`): written at `cache_position` in a buffer at least `window` long
+        (both in cache_kwargs), so a past exactly as long as the filled positions grows by the new ones
+        and a longer one, which a runtime may bind as past and present, keeps its length."""
+        self._check_and_allocate(key_states, value_states, gate_states)
+        positions, window = cache_kwargs["cache_position"], cache_kwargs["window"]
+        held = self.gates.shape[-1]
+        grown = F.pad(self.gates, (0, torch.sym_max(held, window) - held))
+        self.gates = grown.scatter(-1, positions.view(1, 1, -1).expand_as(gate_states), gate_states)
+        return self.keys, self.values, self.gates
 
     def update(self, key_states, value_states, gate_states, cache_kwargs=None):
         self._store_gates(key_states, value_states, gate_states, cache_kwargs)

@@ -3,13 +3,14 @@
 Each cache tensor is held in one of three ways between steps:
 - in place: one buffer bound as both `past_key_values.*` and `present.*`, which the graph writes the new
   entries into, so nothing about it moves between steps. A static artifact holds its keys, values and
-  gates so; a gqa dynamic artifact its keys and values, which onnxruntime's GroupQueryAttention
-  appends to (present is as long as the longer of past and the attention window), in buffers that
-  `reserve` makes long enough and doubles when they are not, so growing costs O(1) a step on average;
-- swapped: two buffers that trade roles every step, for a static artifact's shift states, which the
-  graph reads besides replacing;
-- fed back: `present.*` left on the device by onnxruntime and bound as the next step's `past_*` (every
-  tensor of a standard dynamic artifact; a gqa dynamic artifact's gates and shift states).
+  gates so, and a gqa dynamic artifact too: onnxruntime's GroupQueryAttention appends to its keys and
+  values and a scatter to its gates, each present as long as the longer of past and the attention
+  window, in buffers that `reserve` makes long enough and doubles when they are not, so growing costs
+  O(1) a step on average;
+- swapped: two buffers that trade roles every step, for the shift states of both, which the graph reads
+  besides replacing;
+- fed back: `present.*` left on the device by onnxruntime and bound as the next step's `past_*`, for
+  every tensor of a standard dynamic artifact.
 """
 
 from __future__ import annotations
@@ -31,11 +32,9 @@ class DeviceCache:
         self.length = 0 if appends else None  # the in-place buffers' length where `reserve` sets it
         self.moved = False  # in-place buffers were replaced since they were last bound
         self.pairs = list(zip(artifact.past_names(), artifact.present_names(), strict=True))
-        if artifact.static:
-            self.in_place = {past for past, _ in self.pairs if not _field(past).endswith("shift")}
-        else:
-            self.in_place = {past for past, _ in self.pairs if appends and _field(past) in ("key", "value")}
-        self.swapped = {past: present for past, present in self.pairs if artifact.static and past not in self.in_place}
+        in_place = artifact.static or appends
+        self.in_place = {past for past, _ in self.pairs if in_place and not _field(past).endswith("shift")}
+        self.swapped = {past: present for past, present in self.pairs if in_place and past not in self.in_place}
         self.fed_back = [(i, past, present) for i, (past, present) in enumerate(self.pairs)
                          if past not in self.in_place and past not in self.swapped]  # fmt: skip
         self.past: dict[str, ort.OrtValue] = {}
@@ -43,7 +42,7 @@ class DeviceCache:
         self.reset()
 
     def reserve(self, length: int) -> None:
-        """Make a gqa dynamic artifact's key and value buffers hold `length` positions: at least double
+        """Make a gqa dynamic artifact's key, value and gate buffers hold `length` positions: at least double
         them, keeping what they hold (on the CPU, where GroupQueryAttention runs)."""
         if self.length is None or length <= self.length:
             return

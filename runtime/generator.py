@@ -19,7 +19,7 @@ from runtime.artifact import Artifact, ArtifactError, SessionOptions
 from runtime.device_cache import DeviceCache
 from runtime.sampling import Sampler, SamplingConfig
 
-# A gqa dynamic artifact's key and value buffers first hold the prompt and up to this many new tokens, and
+# A gqa dynamic artifact's key, value and gate buffers first hold the prompt and up to this many new tokens, and
 # double when a generation goes further: a long max_new_tokens allocates only what is generated.
 RESERVED_NEW_TOKENS = 256
 

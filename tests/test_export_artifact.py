@@ -98,7 +98,7 @@ class WrongWithLongerBuffers:
 
 
 def test_a_gqa_dynamic_export_is_validated_with_buffers_longer_than_the_filled_positions(exported):
-    """The runtime runs a gqa dynamic graph with longer key and value buffers; validation must run it so too."""
+    """The runtime runs a gqa dynamic graph with longer cache buffers; validation must run it so too."""
     path = exported("fox-tiny", "dynamic")[0].path
     model = load_model("fox-tiny")
     layout = cache_layout(model.config, static=False)

@@ -75,20 +75,20 @@ def run_steps(model, layout, path, ids, mask):
 
     A static graph is given a mask as long as its buffer, which it must accept, except that a
     GroupQueryAttention graph takes a batch's first chunk only with the mask of exactly that chunk.
-    A dynamic GroupQueryAttention graph is given key and value buffers longer than the filled positions,
-    as the runtime gives it, and must keep them that long."""
+    A dynamic GroupQueryAttention graph is given key, value and gate buffers longer than the filled
+    positions, as the runtime gives it, and must keep them that long."""
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     batch, total = ids.shape
     config = model.config
     gqa = uses_group_query_attention(path)
-    length = MAX_CACHE_LEN if layout.static else 0
+    length = MAX_CACHE_LEN if layout.static or gqa else 0
     past = {}
     for name in layout.past_names():
         field = name.rsplit(".", 1)[1]
         if field == "gate":
             shape = (batch, config.num_heads, length)
         elif field in ("key", "value"):
-            shape = (batch, config.kv_heads, MAX_CACHE_LEN if gqa else length, config.head_dim)
+            shape = (batch, config.kv_heads, length, config.head_dim)
         else:
             shape = (batch, config.kv_heads * config.head_dim)
         past[name] = np.zeros(shape, dtype=np.float32)
@@ -104,7 +104,7 @@ def run_steps(model, layout, path, ids, mask):
             feed["attention_mask"] = mask[:, :stop].numpy()
         outputs = dict(zip(layout.output_names(), session.run(None, feed), strict=True))
         if gqa:
-            assert outputs["present.0.key"].shape[2] == MAX_CACHE_LEN
+            assert outputs["present.0.key"].shape[2] == outputs["present.0.gate"].shape[2] == MAX_CACHE_LEN
         logits.append(outputs["logits"])
         past = {p: outputs[q] for p, q in zip(layout.past_names(), layout.present_names(), strict=True)}
     return np.concatenate(logits, axis=1)
@@ -172,21 +172,25 @@ def test_the_softplus_lowering_matches_torch_across_the_gate_range(beta):
 
 
 def test_each_in_place_buffer_is_read_by_the_one_node_that_writes_its_present(exported):
-    """What lets the runtime bind one buffer as past and present: no other node reads a past tensor's data.
-    Standard static graphs write keys and values with ScatterElements, gqa graphs with GroupQueryAttention,
-    and static gates with ScatterElements. In a dynamic gqa graph no other node reads even the key and
-    value buffers' size, which the runtime makes longer than the filled positions."""
+    """What lets the runtime bind one buffer as past and present: no other node reads a past tensor's data
+    (Shape reads only its size). gqa graphs write keys and values with GroupQueryAttention, standard static
+    graphs with ScatterElements; static gates scatter, and a dynamic gqa graph's gates are padded to the
+    window (by nothing, in a buffer longer than the filled positions) and then scattered."""
     _, layout, path = exported
     gqa = uses_group_query_attention(path)
     if not layout.static and not gqa:
         pytest.skip("a standard dynamic graph's present is a new tensor, past + seq long")
     nodes = onnx.load(str(path)).graph.node
+    producer = {output: node for node in nodes for output in node.output}
     for past, present in zip(layout.past_names(), layout.present_names(), strict=True):
-        key_or_value = past.endswith((".key", ".value"))
-        if past.endswith("shift") or not (layout.static or key_or_value):
-            continue  # read besides being replaced: the runtime swaps two buffers or feeds present back
-        readers = [n for n in nodes if past in n.input and (n.op_type != "Shape" or not layout.static)]
-        writers = [n for n in nodes if present in n.output]
-        assert len(readers) == 1 and writers == readers
-        writer = "GroupQueryAttention" if gqa and key_or_value else "ScatterElements"
-        assert readers[0].op_type == writer
+        if past.endswith("shift"):
+            continue  # read by the token shift besides being replaced; the runtime swaps two buffers
+        readers = [n for n in nodes if past in n.input and n.op_type != "Shape"]
+        (writer,) = [n for n in nodes if present in n.output]
+        if past.endswith((".key", ".value")):
+            assert readers == [writer] and writer.op_type == ("GroupQueryAttention" if gqa else "ScatterElements")
+        elif layout.static:
+            assert readers == [writer] and writer.op_type == "ScatterElements"
+        else:
+            assert [r.op_type for r in readers] == ["Pad"] and writer.op_type == "ScatterElements"
+            assert producer[writer.input[0]] is readers[0]

@@ -84,7 +84,7 @@ def test_a_static_artifact_fills_its_buffer_to_the_last_slot(exported):
 
 
 def test_a_dynamic_generation_outgrowing_its_first_buffers_generates_what_eager_generates(exported):
-    """A gqa dynamic artifact's key and value buffers are doubled mid-generation, keeping what they hold."""
+    """A gqa dynamic artifact's key, value and gate buffers are doubled mid-generation, keeping what they hold."""
     generator = assert_generates_what_eager_generates(
         exported("fox-tiny", "dynamic")[0].path, [5, 11], RESERVED_NEW_TOKENS + 40
     )

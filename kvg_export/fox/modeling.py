@@ -166,11 +166,9 @@ class ForgettingAttention(nn.Module):
                 raise ValueError("in-place attention writes the new tokens to consecutive cache positions")
         per_head = (t.unflatten(-1, (self.kv_heads, self.head_dim)).transpose(1, 2) for t in (keys, values))
         key_cache, value_cache, gates = cache.update_gates(
-            *per_head, log_gates, self.layer_idx, {"cache_position": cache_position}
+            *per_head, log_gates, self.layer_idx, {"cache_position": cache_position, "window": window}
         )
-        if isinstance(cache, StaticCache):
-            gates = gates[..., :window]
-        bias = gate_bias(gates, cache_position)
+        bias = gate_bias(gates[..., :window], cache_position)
         out, key_cache, value_cache = group_query_attention(
             query, keys, values, key_cache, value_cache, bias, allowed.expand(batch, -1, -1, -1), cache_position,
             self.heads, self.kv_heads,
