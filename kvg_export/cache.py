@@ -91,14 +91,7 @@ class GatedCache:
         self.offload(layer_idx)
         return result
 
-    def update_gates(
-        self,
-        key_states: torch.Tensor,
-        value_states: torch.Tensor,
-        gate_states: torch.Tensor,
-        layer_idx: int,
-        cache_kwargs: dict | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def update_gates(self, key_states, value_states, gate_states, layer_idx: int, cache_kwargs: dict | None = None):
         """As `update`, but store only the gates; the keys and values are written by a kernel that then hands
         its buffers to `set_keys_values`. Returns that layer's keys and values before the update, gates after."""
         if self.offloading:

@@ -124,22 +124,11 @@ class GatedLayer(ABC):
         """Store new entries; return the keys, values and gates attention should read."""
 
     @abstractmethod
-    def _store_gates(self, key_states, value_states, gate_states, cache_kwargs) -> Any:
-        """Check new entries against the layer, allocate on first use, and store their gates."""
-
-    def update_gates(
-        self,
-        key_states: torch.Tensor,
-        value_states: torch.Tensor,
-        gate_states: torch.Tensor,
-        cache_kwargs: dict[str, Any] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """As `update`, but store only the gates: the keys and values are left to a kernel that writes
-        them into the buffers itself (see `fox/in_place_attention.py`) and hands back the updated
-        buffers through `set_keys_values`. Returns the keys and values before the update and the gates
-        after it."""
-        self._store_gates(key_states, value_states, gate_states, cache_kwargs)
-        return self.keys, self.values, self.gates
+    def update_gates(self, key_states, value_states, gate_states, cache_kwargs=None):
+        """As `update`, but store only the gates, at cache_kwargs' `cache_position` in a buffer at least its
+        `window` long: the keys and values are left to a kernel that writes them into the buffers itself
+        (see `fox/in_place_attention.py`) and hands back the updated buffers through `set_keys_values`.
+        Returns the keys and values before the update and the gates after it."""
 
     def set_keys_values(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Hold the buffers such a kernel returned: as long as the gates, batch and heads unchanged."""
@@ -230,15 +219,10 @@ class DynamicLayer(GatedLayer):
         if self.keys is None:
             self.lazy_initialization(key_states, gate_states)
 
-    def _store_gates(self, key_states, value_states, gate_states, cache_kwargs) -> None:
-        self._check_and_allocate(key_states, value_states, gate_states)
-        self.gates = torch.cat([self.gates, gate_states], dim=-1)
-
     def update_gates(self, key_states, value_states, gate_states, cache_kwargs=None):
-        """As GatedLayer's, but the gates are held as such a kernel holds keys and values (see
-        `fox/in_place_attention.py`): written at `cache_position` in a buffer at least `window` long
-        (both in cache_kwargs), so a past exactly as long as the filled positions grows by the new ones
-        and a longer one, which a runtime may bind as past and present, keeps its length."""
+        """The gates are held as such a kernel holds keys and values: a past exactly as long as the filled
+        positions grows by the new ones, and a longer one, which a runtime may bind as past and present,
+        keeps its length."""
         self._check_and_allocate(key_states, value_states, gate_states)
         positions, window = cache_kwargs["cache_position"], cache_kwargs["window"]
         held = self.gates.shape[-1]
@@ -247,9 +231,10 @@ class DynamicLayer(GatedLayer):
         return self.keys, self.values, self.gates
 
     def update(self, key_states, value_states, gate_states, cache_kwargs=None):
-        self._store_gates(key_states, value_states, gate_states, cache_kwargs)
+        self._check_and_allocate(key_states, value_states, gate_states)
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
+        self.gates = torch.cat([self.gates, gate_states], dim=-1)
         return self.keys, self.values, self.gates
 
     def update_shift(self, key_shift=None, value_shift=None):
@@ -361,6 +346,10 @@ class StaticLayer(GatedLayer):
         seq_index = self._store_gates(key_states, value_states, gate_states, cache_kwargs).view(1, 1, -1, 1)
         self.keys.scatter_(2, seq_index.expand_as(key_states), key_states)
         self.values.scatter_(2, seq_index.expand_as(value_states), value_states)
+        return self.keys, self.values, self.gates
+
+    def update_gates(self, key_states, value_states, gate_states, cache_kwargs=None):
+        self._store_gates(key_states, value_states, gate_states, cache_kwargs)  # the window lies inside the buffer
         return self.keys, self.values, self.gates
 
     def update_shift(self, key_shift=None, value_shift=None):
