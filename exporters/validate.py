@@ -112,21 +112,19 @@ def validate_export(
     report = ValidationReport(dtype, TOLERANCES[dtype], batch, PROMPT_LENGTH, DECODE_STEPS)
     ids, mask = validation_prompt(model.config.vocab_size, batch, model.config.pad_token_id or 0)
     eager, exported = ExportableFox(model, layout), program.module()
-    length = max_cache_len if layout.static else 0
-    empty = [
-        torch.zeros(cache_shape(model.config, name.rsplit(".", 1)[1], batch, length),
-                    dtype=torch.float32 if name.endswith("gate") else model.dtype)
-        for name in layout.past_names()
-    ]  # fmt: skip
+
+    def zeros(length: int) -> list[torch.Tensor]:
+        return [
+            torch.zeros(cache_shape(model.config, name.rsplit(".", 1)[1], batch, length),
+                        dtype=torch.float32 if name.endswith("gate") else model.dtype)
+            for name in layout.past_names()
+        ]  # fmt: skip
+
+    empty = zeros(max_cache_len if layout.static else 0)
     # Separate buffers per system: a static cache is written in place, by eager and by the program alike.
     pasts = {"eager": empty, "program": [t.clone() for t in empty], "onnx": [_numpy(t).copy() for t in empty]}
-    if longer_buffers:
-        capacity = 2 * (PROMPT_LENGTH + DECODE_STEPS)  # longer than every step fills
-        pasts["onnx-longer"] = [
-            np.zeros(cache_shape(model.config, name.rsplit(".", 1)[1], batch, capacity), t.dtype)
-            if t.ndim > 2 else t.copy()  # keys, values and gates; shift states have no length
-            for name, t in zip(layout.past_names(), pasts["onnx"], strict=True)
-        ]  # fmt: skip
+    if longer_buffers:  # twice what the steps fill
+        pasts["onnx-longer"] = [_numpy(t) for t in zeros(2 * (PROMPT_LENGTH + DECODE_STEPS))]
     tokens, full_mask, start = ids, mask, 0
     for step in range(DECODE_STEPS + 1):
         stop = full_mask.shape[1]
