@@ -183,7 +183,8 @@ def _build(options: ExportOptions, staging: Path, log: Callable[[str], None]) ->
     external = weight_bytes > EXTERNAL_DATA_BYTES
     _stage(
         log, "lower", lambda: lower_to_onnx(program, example, layout, model_path, options.opset, external),
-        lambda _: f"ONNX opset {options.opset}" + (", weights as external data" if external else ""),
+        lambda joined: f"ONNX opset {options.opset}, {joined} fewer MatMuls (projections joined)"
+        + (", weights as external data" if external else ""),
     )  # fmt: skip
     files = {name: name for name in COPIED_FILES if (checkpoint / name).is_file()}
     manifest = build_manifest(

@@ -15,6 +15,7 @@ import torch
 from torch.export import Dim, ExportedProgram
 
 from exporters.contract import CacheLayout, cache_shape
+from exporters.fuse_projections import fuse_projections
 from exporters.translations import TRANSLATIONS
 from exporters.wrappers import ExportableFox
 from kvg_export import FoxForCausalLM
@@ -96,8 +97,9 @@ def _axis_names(layout: CacheLayout, name: str) -> list[str | None]:
 
 def lower_to_onnx(
     program: ExportedProgram, example: tuple, layout: CacheLayout, path: Path, opset: int, external_data: bool
-) -> None:
-    """Write `path`: the ONNX graph with contract names and named axes, weights beside it if `external_data`."""
+) -> int:
+    """Write `path`: the ONNX graph with contract names and named axes, weights beside it if `external_data`;
+    returns how many projections were joined into others (see `fuse_projections`)."""
     # Quiet the exporter's notes that concern other libraries (torchvision ops, a pytree deprecation in torch).
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
     with warnings.catch_warnings():
@@ -117,4 +119,6 @@ def lower_to_onnx(
     for value in [*graph.inputs, *graph.outputs]:
         axes = _axis_names(layout, value.name)
         value.shape = ir.Shape([name or dim for name, dim in zip(axes, value.shape, strict=True)])
+    joined = fuse_projections(graph)
     onnx_program.save(str(path), external_data=external_data)
+    return joined

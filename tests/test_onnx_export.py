@@ -194,3 +194,14 @@ def test_each_in_place_buffer_is_read_by_the_one_node_that_writes_its_present(ex
         else:
             assert [r.op_type for r in readers] == ["Pad"] and writer.op_type == "ScatterElements"
             assert producer[writer.input[0]] is readers[0]
+
+
+def test_each_activation_is_projected_by_one_matmul(exported):
+    """The attention's input projections (query, key, value, forget gate and FoX-Pro's output gate) are joined
+    into one MatMul, as the MLP's gate and up projections already are: per layer one for those, one for the
+    attention output, two for the MLP, then the LM head."""
+    model, _, path = exported
+    graph = onnx.load(str(path)).graph
+    weights = {i.name for i in graph.initializer}
+    activations = [n.input[0] for n in graph.node if n.op_type == "MatMul" and n.input[1] in weights]
+    assert len(activations) == len(set(activations)) == 4 * model.config.num_hidden_layers + 1

@@ -1,0 +1,62 @@
+"""Joining projections: one MatMul per shared activation, the same products as separate matmuls."""
+
+import numpy as np
+import onnx_ir as ir
+import onnxruntime as ort
+
+from exporters.fuse_projections import fuse_projections
+
+
+def graph_with_projections(weights: dict[str, np.ndarray], outputs_as_graph_outputs=()) -> ir.Model:
+    """y_name = x @ weight for each weight; `outputs_as_graph_outputs` are returned as they are, the rest
+    through an Identity."""
+    x = ir.Value(name="x", shape=ir.Shape([2, 3, 8]), type=ir.TensorType(ir.DataType.FLOAT))
+    graph = ir.Graph([x], [], nodes=[], opset_imports={"": 20}, name="projections")
+    for name, weight in weights.items():
+        initializer = ir.Value(name=f"w_{name}", const_value=ir.tensor(weight))
+        graph.register_initializer(initializer)
+        product = ir.node("MatMul", [x, initializer], name=f"matmul_{name}")
+        graph.append(product)
+        if name in outputs_as_graph_outputs:
+            product.outputs[0].name = name
+            graph.outputs.append(product.outputs[0])
+        else:
+            identity = ir.node("Identity", [product.outputs[0]])
+            identity.outputs[0].name = name
+            graph.append(identity)
+            graph.outputs.append(identity.outputs[0])
+    for output in graph.outputs:
+        output.dtype = ir.DataType.FLOAT
+    return ir.Model(graph, ir_version=10)
+
+
+def run(model: ir.Model, x: np.ndarray) -> dict[str, np.ndarray]:
+    session = ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString())
+    return dict(zip([o.name for o in session.get_outputs()], session.run(None, {"x": x}), strict=True))
+
+
+def test_projections_of_one_activation_become_one_matmul_with_the_same_products():
+    rng = np.random.default_rng(0)
+    weights = {name: rng.standard_normal((8, width)).astype(np.float32) for name, width in
+               (("query", 8), ("key", 4), ("value", 4), ("gate", 2))}  # fmt: skip
+    model = graph_with_projections(weights)
+    assert fuse_projections(model.graph) == 3
+    assert [n.op_type for n in model.graph].count("MatMul") == 1
+    assert set(model.graph.initializers) == {"matmul_query.joined_weight", "matmul_query.joined_widths"}
+    x = rng.standard_normal((2, 3, 8)).astype(np.float32)
+    got = run(model, x)
+    for name, weight in weights.items():
+        np.testing.assert_allclose(got[name], x @ weight, rtol=1e-5, atol=1e-5)
+
+
+def test_a_projection_that_is_a_graph_output_is_left_alone():
+    rng = np.random.default_rng(1)
+    weights = {name: rng.standard_normal((8, 5)).astype(np.float32) for name in ("kept", "first", "second")}
+    model = graph_with_projections(weights, outputs_as_graph_outputs=("kept",))
+    assert fuse_projections(model.graph) == 1
+    matmuls = [n for n in model.graph if n.op_type == "MatMul"]
+    assert sorted(n.name for n in matmuls) == ["matmul_first.joined", "matmul_kept"]
+    x = rng.standard_normal((2, 3, 8)).astype(np.float32)
+    got = run(model, x)
+    for name, weight in weights.items():
+        np.testing.assert_allclose(got[name], x @ weight, rtol=1e-5, atol=1e-5)
