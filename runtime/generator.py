@@ -138,9 +138,10 @@ class Generator:
         start = time.perf_counter()
         batch, width = len(prompts), max(map(len, prompts))
         ids = np.full((batch, width), self.pad, dtype=np.int64)
-        mask = np.zeros((batch, width + config.max_new_tokens), dtype=np.int64)  # filled column by column
+        # Every new position is attended until its row stops, when the rest of the row is masked
+        mask = np.ones((batch, width + config.max_new_tokens), dtype=np.int64)
         for row, prompt in enumerate(prompts):
-            ids[row, width - len(prompt) :], mask[row, width - len(prompt) : width] = prompt, 1
+            ids[row, width - len(prompt) :], mask[row, : width - len(prompt)] = prompt, 0
         static = self.artifact.static
         cache = self._cache_for(batch)
         cache.reserve(width + min(config.max_new_tokens - 1, RESERVED_NEW_TOKENS))  # the last is never fed back
@@ -181,34 +182,41 @@ class Generator:
         step_inputs = ("input_ids", "cache_position") if static else ("input_ids",)
         step_io: dict[str, tuple[np.ndarray, ort.OrtValue]] = {}  # ids, position, logits: host array, bound value
 
+        def bind_step_buffers() -> None:
+            """Ids, cache position and logits keep one buffer each for every decode step (on the CPU, numpy
+            arrays that onnxruntime reads and writes in place, so nothing is copied through pybind)."""
+            binding.clear_binding_inputs()
+            binding.clear_binding_outputs()
+            arrays = {
+                "input_ids": np.empty((batch, 1), dtype=np.int64),
+                "cache_position": np.empty(1, dtype=np.int64),
+                "logits": np.empty((batch, 1, self.artifact.vocab_size), dtype=np.float32),
+            }
+            for name in (*step_inputs, "logits"):
+                step_io[name] = (arrays[name], ort.OrtValue.ortvalue_from_numpy(arrays[name], cache.device, 0))
+                bind = binding.bind_ortvalue_output if name == "logits" else binding.bind_ortvalue_input
+                bind(name, step_io[name][1])
+            cache.bind(binding)
+
         def decode(token: np.ndarray, filled: int) -> np.ndarray:
-            """One decode step. Ids, cache position and logits keep their buffers from step to step (on the CPU,
-            numpy arrays that onnxruntime reads and writes in place, so nothing is copied through pybind); the
-            mask (one column longer each step) and what the cache changed are the only bindings renewed."""
+            """One decode step. Besides writing the token (and position) into their buffers, it renews only the
+            mask's binding (one column longer each step) and what the cache changed: nothing at all for an
+            artifact whose cache is all in place, so the loop's own time stays a small part of a step."""
             cache.reserve(filled + 1)
             if not step_io:
-                binding.clear_binding_inputs()
-                binding.clear_binding_outputs()
-                arrays = {
-                    "input_ids": np.empty((batch, 1), dtype=np.int64),
-                    "cache_position": np.empty(1, dtype=np.int64),
-                    "logits": np.empty((batch, 1, self.artifact.vocab_size), dtype=np.float32),
-                }
-                for name in (*step_inputs, "logits"):
-                    step_io[name] = (arrays[name], ort.OrtValue.ortvalue_from_numpy(arrays[name], cache.device, 0))
-                    bind = binding.bind_ortvalue_output if name == "logits" else binding.bind_ortvalue_input
-                    bind(name, step_io[name][1])
-                cache.bind(binding)
-            else:
+                bind_step_buffers()
+            elif cache.moved or cache.changes_each_step:
                 cache.rebind(binding)
             for name, value in zip(step_inputs, (token, filled), strict=False):  # dynamic: no position
                 host, device = step_io[name]
                 host[...] = value
                 if not on_host:
                     device.update_inplace(host)
-            binding.bind_cpu_input("attention_mask", np.ascontiguousarray(mask[:, : filled + 1]))
+            columns = mask[:, : filled + 1]
+            binding.bind_cpu_input("attention_mask", columns if batch == 1 else np.ascontiguousarray(columns))
             run_session()
-            cache.advance(binding.get_outputs() if cache.feeds_back else None)
+            if cache.changes_each_step:
+                cache.advance(binding.get_outputs() if cache.feeds_back else None)
             host, device = step_io["logits"]
             return (host if on_host else device.numpy())[:, -1]
 
@@ -238,10 +246,10 @@ class Generator:
                 yield TokenEvent(row, token, text)
                 if token in stop_ids and step + 1 >= config.min_new_tokens:
                     done[row], reasons[row] = True, "stop"
+                    mask[row, filled:] = 0
                     finished += 1
             if finished == batch or step + 1 == config.max_new_tokens:
                 break
-            mask[:, filled] = ~done  # a finished row's new position is masked
             logits = decode(chosen[:, None], filled)
             filled += 1
         wall = time.perf_counter() - start

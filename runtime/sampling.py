@@ -106,9 +106,10 @@ class Sampler:
         if greedy and self.config.repetition_penalty == 1.0:
             # Banning only lowers the banned ids, so the plain argmax stands unless it is one of them; this
             # spares a decode step a copy and three passes over the vocabulary (min_new_tokens bans every step).
-            top = np.asarray(logits).argmax(axis=-1)
-            if banned is None or not (top[:, None] == np.asarray(banned)[None, :]).any():
-                return top.astype(np.int64)
+            # The check is on Python lists: a handful of ids, where numpy's per-call cost would dominate.
+            top = np.asarray(logits).argmax(axis=-1).astype(np.int64, copy=False)
+            if banned is None or set(np.asarray(banned).tolist()).isdisjoint(top.tolist()):
+                return top
         scores = filtered_logits(logits, self.config, context, banned)
         if greedy:
             return scores.argmax(axis=-1).astype(np.int64)
