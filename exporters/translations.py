@@ -66,12 +66,9 @@ def lower_group_query_attention(
     lengths come from inputs every layer shares, so onnxruntime computes them once. GroupQueryAttention's
     default scale is FoX's."""
 
-    def part(x, start: int, end: int):
-        return op.Slice(x, op.Constant(value_ints=[start]), op.Constant(value_ints=[end]))
-
-    shape = op.Shape(allowed)
-    total = op.Cast(op.Squeeze(part(shape, 3, 4)), to=INT32.dtype)
-    seqlens = op.Cast(op.Expand(part(cache_position, -1, 1 << 62), part(shape, 0, 1)), to=INT32.dtype)
+    total = op.Cast(op.Shape(allowed, start=3, end=4), to=INT32.dtype)  # one element, as onnxruntime accepts
+    last = op.Slice(cache_position, op.Constant(value_ints=[-1]), op.Constant(value_ints=[1 << 62]))
+    seqlens = op.Cast(op.Expand(last, op.Shape(allowed, start=0, end=1)), to=INT32.dtype)
     masked = op.Where(allowed, bias, op.Constant(value_float=float(torch.finfo(torch.float32).min)))
     return GROUP_QUERY_ATTENTION(
         query, key, value, key_cache, value_cache, seqlens, total, None, None, None, op.CastLike(masked, query),

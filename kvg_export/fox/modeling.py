@@ -169,10 +169,11 @@ class ForgettingAttention(nn.Module):
             *per_head, log_gates, self.layer_idx, {"cache_position": cache_position, "window": window}
         )
         bias = gate_bias(gates[..., :window], cache_position)
+        if allowed.shape[0] != batch:  # a pattern without a mask is shared by the rows; the op takes one per row
+            allowed = allowed.expand(batch, -1, -1, -1)
         out, key_cache, value_cache = group_query_attention(
-            query, keys, values, key_cache, value_cache, bias, allowed.expand(batch, -1, -1, -1), cache_position,
-            self.heads, self.kv_heads,
-        )  # fmt: skip
+            query, keys, values, key_cache, value_cache, bias, allowed, cache_position, self.heads, self.kv_heads
+        )
         cache.set_keys_values(self.layer_idx, key_cache, value_cache)
         return out
 
