@@ -15,29 +15,29 @@ import numpy as np
 import onnx_ir as ir
 
 
-def _weight(node: ir.Node) -> np.ndarray | None:
+def _constant_weight(node: ir.Node) -> ir.Value | None:
     """The node's constant 2-D right operand, if it is a MatMul with one."""
     if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
         return None
     weight = node.inputs[1]
     if weight is None or not weight.is_initializer() or weight.const_value is None:
         return None
-    return weight.const_value.numpy() if len(weight.const_value.shape) == 2 else None
+    return weight if len(weight.const_value.shape) == 2 else None
 
 
 def fuse_projections(graph: ir.Graph) -> int:
     """Join every group of MatMuls that share their left operand and have constant weights of one dtype;
     returns how many MatMuls were removed."""
-    groups: dict[ir.Value, list[tuple[ir.Node, np.ndarray]]] = defaultdict(list)
+    groups: dict[ir.Value, list[ir.Node]] = defaultdict(list)
     for node in graph:
-        weight = _weight(node)
-        if weight is not None and not node.outputs[0].is_graph_output():
-            groups[node.inputs[0]].append((node, weight))
+        if _constant_weight(node) is not None and not node.outputs[0].is_graph_output():
+            groups[node.inputs[0]].append(node)
     removed = 0
-    for members in groups.values():
-        if len(members) < 2 or len({weight.dtype for _, weight in members}) > 1:
+    for nodes in groups.values():
+        old_weights = [node.inputs[1] for node in nodes]
+        if len(nodes) < 2 or len({weight.const_value.dtype for weight in old_weights}) > 1:
             continue
-        nodes, weights = zip(*members, strict=True)
+        weights = [weight.const_value.numpy() for weight in old_weights]
         name = nodes[0].name or nodes[0].outputs[0].name
         joined = ir.Value(name=f"{name}.joined_weight", const_value=ir.tensor(np.concatenate(weights, axis=1)))
         widths = ir.Value(
@@ -46,13 +46,14 @@ def fuse_projections(graph: ir.Graph) -> int:
         graph.register_initializer(joined)
         graph.register_initializer(widths)
         matmul = ir.node("MatMul", [nodes[0].inputs[0], joined], name=f"{name}.joined")
-        split = ir.node("Split", [matmul.outputs[0], widths], {"axis": -1}, num_outputs=len(nodes), name=f"{name}.split")
+        split = ir.node(
+            "Split", [matmul.outputs[0], widths], {"axis": -1}, num_outputs=len(nodes), name=f"{name}.split"
+        )
         graph.insert_before(nodes[0], [matmul, split])
         matmul.outputs[0].dtype = joined.const_value.dtype
         for node, output in zip(nodes, split.outputs, strict=True):
             output.shape, output.dtype = node.outputs[0].shape, joined.const_value.dtype
             ir.convenience.replace_all_uses_with(node.outputs[0], output)
-        old_weights = [node.inputs[1] for node in nodes]
         graph.remove(nodes, safe=True)
         for weight in old_weights:
             if not weight.uses():
