@@ -37,7 +37,6 @@ class DeviceCache:
         self.swapped = {past: present for past, present in self.pairs if in_place and past not in self.in_place}
         self.fed_back = [(i, past, present) for i, (past, present) in enumerate(self.pairs)
                          if past not in self.in_place and past not in self.swapped]  # fmt: skip
-        self.changes_each_step = bool(self.swapped or self.fed_back)  # else `rebind` and `advance` have nothing to do
         self.past: dict[str, ort.OrtValue] = {}
         self.spare: dict[str, ort.OrtValue] = {}  # swapped tensors: the buffer present is written to
         self.reset()

@@ -200,12 +200,12 @@ class Generator:
 
         def decode(token: np.ndarray, filled: int) -> np.ndarray:
             """One decode step. Besides writing the token (and position) into their buffers, it renews only the
-            mask's binding (one column longer each step) and what the cache changed: nothing at all for an
-            artifact whose cache is all in place, so the loop's own time stays a small part of a step."""
+            mask's binding (one column longer each step) and what the cache changed (nothing, for a cache held
+            all in place)."""
             cache.reserve(filled + 1)
             if not step_io:
                 bind_step_buffers()
-            elif cache.moved or cache.changes_each_step:
+            else:
                 cache.rebind(binding)
             for name, value in zip(step_inputs, (token, filled), strict=False):  # dynamic: no position
                 host, device = step_io[name]
@@ -215,8 +215,7 @@ class Generator:
             columns = mask[:, : filled + 1]
             binding.bind_cpu_input("attention_mask", columns if batch == 1 else np.ascontiguousarray(columns))
             run_session()
-            if cache.changes_each_step:
-                cache.advance(binding.get_outputs() if cache.feeds_back else None)
+            cache.advance(binding.get_outputs() if cache.feeds_back else None)
             host, device = step_io["logits"]
             return (host if on_host else device.numpy())[:, -1]
 
