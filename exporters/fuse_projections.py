@@ -15,14 +15,17 @@ import numpy as np
 import onnx_ir as ir
 
 
-def _constant_weight(node: ir.Node) -> ir.Value | None:
-    """The node's constant 2-D right operand, if it is a MatMul with one."""
+def _projects_through_constant(node: ir.Node) -> bool:
+    """Whether the node is a MatMul whose right operand is a constant 2-D weight."""
     if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
-        return None
+        return False
     weight = node.inputs[1]
-    if weight is None or not weight.is_initializer() or weight.const_value is None:
-        return None
-    return weight if len(weight.const_value.shape) == 2 else None
+    return (
+        weight is not None
+        and weight.is_initializer()
+        and weight.const_value is not None
+        and len(weight.const_value.shape) == 2
+    )
 
 
 def fuse_projections(graph: ir.Graph) -> int:
@@ -30,7 +33,7 @@ def fuse_projections(graph: ir.Graph) -> int:
     returns how many MatMuls were removed."""
     groups: dict[ir.Value, list[ir.Node]] = defaultdict(list)
     for node in graph:
-        if _constant_weight(node) is not None and not node.outputs[0].is_graph_output():
+        if _projects_through_constant(node) and not node.outputs[0].is_graph_output():
             groups[node.inputs[0]].append(node)
     removed = 0
     for nodes in groups.values():

@@ -212,8 +212,7 @@ class Generator:
                 host[...] = value
                 if not on_host:
                     device.update_inplace(host)
-            columns = mask[:, : filled + 1]
-            binding.bind_cpu_input("attention_mask", columns if batch == 1 else np.ascontiguousarray(columns))
+            binding.bind_cpu_input("attention_mask", np.ascontiguousarray(mask[:, : filled + 1]))
             run_session()
             cache.advance(binding.get_outputs() if cache.feeds_back else None)
             host, device = step_io["logits"]
