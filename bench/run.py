@@ -31,11 +31,13 @@ RUNTIME_ARTIFACTS = {
     "runtime-static": ("static", MAIN_STATIC_LENGTH, "gqa"),
     "runtime-static-standard": ("static", MAIN_STATIC_LENGTH, "standard"),
 }
-SYSTEMS = ("eager-dynamic", "eager-static", *RUNTIME_ARTIFACTS)
+SYSTEMS = ("eager-dynamic", "eager-static", *RUNTIME_ARTIFACTS, "read-floor")
 SWEEP_FILLS = (64, 128, 200, 256, 512, 1024, 2000)
 SWEEP_ARTIFACTS = (("dynamic", None, "gqa"), ("dynamic", None, "standard"),
                    *(("static", n, "gqa") for n in (256, 1024, 2048)), ("static", 2048, "standard"))  # fmt: skip
 SWEEP_STEPS = 16
+QUIET_S = 0.03  # a worker that gains no CPU time for this long (3 clock ticks) has stopped spinning
+SETTLE_LIMIT_S = 2.0
 
 
 class Worker:
@@ -52,7 +54,22 @@ class Worker:
         line = self.process.stdout.readline()
         if not line:
             raise RuntimeError("a benchmark worker died; its error is printed above")
+        self.settle()
         return json.loads(line)
+
+    def settle(self) -> None:
+        """Return once this worker's threads have stopped spinning. After a run onnxruntime's pool keeps a
+        core busy for about 50 ms and torch's OpenMP threads for about 10, which on a 2-core machine would
+        slow whichever system runs next (fox-tiny's runtime runs take about 40 ms)."""
+        stat = Path(f"/proc/{self.process.pid}/stat")
+        deadline, busy = time.monotonic() + SETTLE_LIMIT_S, None
+        while time.monotonic() < deadline:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cpu_ticks = int(fields[11]) + int(fields[12])  # utime + stime, in clock ticks (10 ms)
+            if cpu_ticks == busy:
+                return
+            busy = cpu_ticks
+            time.sleep(QUIET_S)
 
     def close(self) -> dict:
         final = self.ask({})
@@ -78,7 +95,7 @@ def spread(values: list[float]) -> dict:
 
 
 def compare(model: str, batches: list[int], args, threads: int) -> list[dict]:
-    targets = {"eager-dynamic": model, "eager-static": model}
+    targets = {"eager-dynamic": model, "eager-static": model, "read-floor": model}
     targets |= {system: artifact(model, *made) for system, made in RUNTIME_ARTIFACTS.items()}
     workers = {system: Worker(system, targets[system], threads) for system in SYSTEMS}
     rows = []

@@ -1,14 +1,16 @@
 """One benchmarked system in a process of its own, so each has its own peak memory.
 
 Reads JSON requests on stdin, one per line, and answers each with one JSON line on stdout. Systems:
-`eager-dynamic` and `eager-static` (transformers generate() with the gated caches) and `runtime`
-(the onnxruntime decode loop on an artifact folder).
+`eager-dynamic` and `eager-static` (transformers generate() with the gated caches), `runtime`
+(the onnxruntime decode loop on an artifact folder) and `read-floor` (no model run: the time to read
+once the bytes a decode step must read, about the fastest any step can be where they outgrow the caches).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import statistics
 import sys
 import time
 
@@ -80,6 +82,36 @@ def runtime_runner(artifact: str, threads: int):
     return run
 
 
+def read_floor_runner(model_name: str, threads: int):
+    """A decode step reads every weight but the embedding table (one row of it) and the cache up to its
+    filled length; torch's vectorized sum over that many bytes is how fast this machine reads them."""
+    import torch
+
+    from kvg_export.presets import load_model
+
+    torch.set_num_threads(threads)
+    model = load_model(model_name)
+    config = model.config
+    embedding = model.get_input_embeddings().weight
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p is not embedding)
+    del model
+    floats_per_position = config.num_hidden_layers * (2 * config.kv_heads * config.head_dim + config.num_heads)
+
+    def run(batch: int, prompt: int, new_tokens: int) -> dict:
+        mean_filled = prompt + new_tokens // 2
+        step_bytes = weight_bytes + batch * mean_filled * floats_per_position * 4  # float32 keys, values, gates
+        data = torch.ones(step_bytes // 4)
+        times = []
+        for _ in range(new_tokens - 1):
+            start = time.perf_counter()
+            data.sum()
+            times.append(time.perf_counter() - start)
+        step = statistics.median(times)
+        return {"decode_tokens_per_s": batch / step, "step_s": step, "step_bytes": step_bytes}
+
+    return run
+
+
 def peak_memory_mb() -> float:
     """This process's peak resident memory (VmHWM): unlike getrusage's ru_maxrss it starts afresh at exec,
     so the parent's memory before spawning this worker does not count."""
@@ -89,9 +121,12 @@ def peak_memory_mb() -> float:
 
 def main() -> int:
     system, target, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    run = (
-        runtime_runner(target, threads) if system == "runtime" else eager_runner(target, system.split("-")[1], threads)
-    )
+    if system == "runtime":
+        run = runtime_runner(target, threads)
+    elif system == "read-floor":
+        run = read_floor_runner(target, threads)
+    else:
+        run = eager_runner(target, system.split("-")[1], threads)
     for line in sys.stdin:
         request = json.loads(line)
         answer = run(**request) if request else {}
