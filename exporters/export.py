@@ -8,9 +8,7 @@ replaces an old artifact only with a good new one.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +23,7 @@ from exporters.contract import cache_layout
 from exporters.manifest import MANIFEST_NAME, build_manifest, check_graph_matches, source_digest
 from exporters.onnx_export import DEFAULT_OPSET, export_program, lower_to_onnx
 from exporters.validate import MIN_STATIC_LENGTH, ValidationReport, validate_export
+from kvg_export.folders import publish, staging_folder
 from kvg_export.presets import load_model, resolve_checkpoint
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -111,30 +110,6 @@ def _attention(options: ExportOptions) -> str:
     return options.attention
 
 
-def _staging_folder(out: Path) -> Path:
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    except OSError as error:
-        raise ExportError(f"cannot write to {out.parent}: {error.strerror or error}") from None
-
-
-def _publish(staging: Path, out: Path) -> None:
-    """Rename the finished artifact into place; an old one is moved aside first and removed after."""
-    old = None
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        out.rename(old)
-    try:
-        staging.rename(out)
-    except OSError:
-        if old is not None:
-            old.rename(out)
-        raise
-    if old is not None:
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
-
-
 def _providers(provider: str) -> list[str]:
     """Validation compares with eager in full precision: no TF32 in fp32 matmuls on CUDA."""
     if provider == "cuda":
@@ -145,10 +120,13 @@ def _providers(provider: str) -> list[str]:
 def export_artifact(options: ExportOptions, log: Callable[[str], None] = print) -> ExportResult:
     """Export `options.model` to an artifact folder at `options.out`; raise ExportError on bad input or parity."""
     options = check_options(options)
-    staging = _staging_folder(options.out)
+    try:
+        staging = staging_folder(options.out)
+    except OSError as error:
+        raise ExportError(f"cannot write to {options.out.parent}: {error.strerror or error}") from None
     try:
         result = _build(options, staging, log)
-        _publish(staging, options.out)
+        publish(staging, options.out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     result.path = options.out
