@@ -1,14 +1,15 @@
 """Deterministic byte-level BPE tokenizers for the model presets, built from local text.
 
 The model hub is unreachable from where this project builds and tests, so presets ship tokenizers made here:
-BPE trained on the Python standard library's own source, which every machine with Python already has.
+BPE trained on the Python standard library's own source, which every machine with Python already has. The
+random-weight presets use the top-level stdlib files; trained presets pass their training split's texts.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -30,8 +31,9 @@ def _corpus() -> Iterator[str]:
         yield text
 
 
-def build_tokenizer(vocab_size: int) -> Tokenizer:
-    """Byte-level BPE with exactly `vocab_size` ids: 3 specials, the 256 byte symbols, then trained merges."""
+def build_tokenizer(vocab_size: int, texts: Iterable[str] | None = None) -> Tokenizer:
+    """Byte-level BPE with exactly `vocab_size` ids: 3 specials, the 256 byte symbols, then merges trained on
+    `texts` (default: the top-level stdlib files, up to CORPUS_LIMIT_BYTES)."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if vocab_size < len(SPECIAL_TOKENS) + len(alphabet):
         raise ValueError(f"vocab_size must be at least {len(SPECIAL_TOKENS) + len(alphabet)}, got {vocab_size}")
@@ -43,7 +45,7 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=alphabet, show_progress=False
     )
-    tokenizer.train_from_iterator(_corpus(), trainer=trainer)
+    tokenizer.train_from_iterator(_corpus() if texts is None else texts, trainer=trainer)
     # A corpus too small for the merges asked for would silently give a smaller vocabulary.
     if sorted(tokenizer.get_vocab().values()) != list(range(vocab_size)):
         raise RuntimeError(f"training gave {tokenizer.get_vocab_size()} ids, not {vocab_size}")
