@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -164,19 +165,8 @@ class Generator:
             ort_s += time.perf_counter() - began
 
         def prefill(chunk: np.ndarray, filled: int, want_logits: bool) -> np.ndarray | None:
-            new = chunk.shape[1]
-            binding.clear_binding_inputs()
-            binding.clear_binding_outputs()
-            binding.bind_cpu_input("input_ids", chunk)
-            binding.bind_cpu_input("attention_mask", np.ascontiguousarray(mask[:, : filled + new]))
-            if static:
-                binding.bind_cpu_input("cache_position", np.arange(filled, filled + new, dtype=np.int64))
-            binding.bind_output("logits", cache.device)
-            cache.bind(binding)
-            run_session()
-            outputs = binding.get_outputs()
-            cache.advance(outputs)
-            return outputs[0].numpy()[:, -1] if want_logits else None
+            logits = self._feed(binding, cache, chunk, mask, filled, run_session)
+            return logits.numpy()[:, -1] if want_logits else None
 
         on_host = cache.device == "cpu"
         step_inputs = ("input_ids", "cache_position") if static else ("input_ids",)
@@ -218,11 +208,8 @@ class Generator:
             host, device = step_io["logits"]
             return (host if on_host else device.numpy())[:, -1]
 
-        chunked = static and (batch == 1 or self.artifact.attention != "gqa")
-        chunk_size = config.prefill_chunk if chunked else width
-        starts = list(range(0, width, chunk_size))
-        for begin in starts:
-            logits = prefill(ids[:, begin : begin + chunk_size], begin, want_logits=begin == starts[-1])
+        for begin, end in self._chunks(batch, width, config.prefill_chunk):
+            logits = prefill(ids[:, begin:end], begin, want_logits=end == width)
         prefill_ort_s = ort_s
         filled = width
         for step in range(config.max_new_tokens):
@@ -265,6 +252,48 @@ class Generator:
             wall_s=wall,
             step_logits=step_logits,
         )
+
+    def teacher_forced_logits(self, ids: np.ndarray, prefill_chunk: int = GenerationConfig.prefill_chunk) -> np.ndarray:
+        """Every position's logits `[batch, seq, vocab]` (float32) for rows of `seq` token ids `[batch, seq]`,
+        fed from an empty cache in the chunks a prompt is prefilled in: what scoring a text needs."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        batch, width = ids.shape
+        self.check_request(ids.tolist(), GenerationConfig(max_new_tokens=1, prefill_chunk=prefill_chunk))
+        cache = self._cache_for(batch)
+        cache.reserve(width)
+        binding = self.artifact.session.io_binding()
+        mask = np.ones((batch, width), dtype=np.int64)
+        run = partial(self.artifact.session.run_with_iobinding, binding)
+        pieces = [self._feed(binding, cache, ids[:, begin:end], mask, begin, run).numpy()
+                  for begin, end in self._chunks(batch, width, prefill_chunk)]  # fmt: skip
+        return np.concatenate(pieces, axis=1)
+
+    def _chunks(self, batch: int, width: int, prefill_chunk: int) -> list[tuple[int, int]]:
+        """The [begin, end) spans a prompt of `width` tokens is prefilled in: chunks of `prefill_chunk` on a
+        static artifact, except for a batch of several rows on a gqa one (see Artifact.attention)."""
+        chunked = self.artifact.static and (batch == 1 or self.artifact.attention != "gqa")
+        size = prefill_chunk if chunked else width
+        return [(begin, min(begin + size, width)) for begin in range(0, width, size)]
+
+    def _feed(
+        self, binding: ort.IOBinding, cache: DeviceCache, chunk: np.ndarray, mask: np.ndarray, filled: int,
+        run: Callable[[], None],
+    ) -> ort.OrtValue:  # fmt: skip
+        """Feed `chunk` `[batch, new]` after `filled` cached positions (`mask` covers at least filled + new);
+        returns the logits `[batch, new, vocab]` where onnxruntime left them."""
+        new = chunk.shape[1]
+        binding.clear_binding_inputs()
+        binding.clear_binding_outputs()
+        binding.bind_cpu_input("input_ids", chunk)
+        binding.bind_cpu_input("attention_mask", np.ascontiguousarray(mask[:, : filled + new]))
+        if self.artifact.static:
+            binding.bind_cpu_input("cache_position", np.arange(filled, filled + new, dtype=np.int64))
+        binding.bind_output("logits", cache.device)
+        cache.bind(binding)
+        run()
+        outputs = binding.get_outputs()
+        cache.advance(outputs)
+        return outputs[0]
 
     def _text_delta(self, row: int, tokens: list[int], decoded: list[str]) -> str:
         """The new text a token completes; held back while it ends mid-character."""

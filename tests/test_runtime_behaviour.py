@@ -10,6 +10,8 @@ import sys
 import pytest
 import torch
 
+from exporters.validate import TOLERANCES
+from kvg_export.presets import load_model
 from runtime.artifact import ArtifactError, SessionOptions
 from runtime.cli import main
 from runtime.generator import GenerationConfig, Generator
@@ -63,6 +65,21 @@ def test_chunked_prefill_of_a_static_artifact_gives_the_same_tokens(exported, at
     whole = generator.generate(prompts, config)
     chunked = generator.generate(prompts, dataclasses.replace(config, prefill_chunk=3))
     assert chunked.tokens == whole.tokens
+
+
+@pytest.mark.parametrize(("kind", "rows", "chunk"), [("static", 1, 5), ("static", 2, 256), ("dynamic", 2, 256)])
+def test_teacher_forced_logits_of_every_position_equal_eager_forward(
+    kind, rows, chunk, static_artifact, dynamic_artifact
+):
+    """Scoring a text reads every position's logits, fed in the chunks a prompt is prefilled in."""
+    artifact = static_artifact if kind == "static" else dynamic_artifact
+    preset = json.loads((artifact / "kvg_config.json").read_text())["source"]["model"]
+    ids = torch.randint(3, 512, (rows, 17), generator=torch.Generator().manual_seed(rows))
+    got = Generator.open(artifact, CPU).teacher_forced_logits(ids.numpy(), prefill_chunk=chunk)
+    with torch.no_grad():
+        want = load_model(preset)(input_ids=ids, use_cache=False).logits
+    assert got.shape == tuple(want.shape)
+    assert float(abs(torch.from_numpy(got) - want).max()) < TOLERANCES["float32"]
 
 
 @pytest.mark.parametrize("kind", ["dynamic", "static"])

@@ -1,0 +1,71 @@
+"""Teacher-forced scoring, torch-free: how well a model's logits predict a text's next tokens.
+
+A text is cut into windows; each window is fed whole from an empty cache, and the logits at each of its
+positions but the last are scored against the token that follows: its negative log-likelihood (nats)
+and the token ranked first. Perplexity is exp(mean negative log-likelihood). Eager PyTorch and an
+exported artifact go through the same windows and the same arithmetic, so their figures compare
+position by position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+LOGITS_BUDGET_BYTES = 256 << 20  # the most float32 logits one batch of windows may produce
+
+
+def next_token_scores(logits: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """-log softmax(logits[..., t, :])[ids[..., t + 1]] (float64) and argmax(logits[..., t, :]) for every
+    position t but the last. logits `[..., seq, vocab]`, ids `[..., seq]`; results `[..., seq - 1]`."""
+    scores = np.asarray(logits[..., :-1, :], dtype=np.float64)
+    targets = np.asarray(ids)[..., 1:, None]
+    peak = scores.max(axis=-1, keepdims=True)
+    log_normalizer = np.log(np.exp(scores - peak).sum(axis=-1)) + peak[..., 0]
+    nll = log_normalizer - np.take_along_axis(scores, targets, axis=-1)[..., 0]
+    return nll, scores.argmax(axis=-1)
+
+
+@dataclass
+class Scores:
+    nll: np.ndarray  # per predicted token, float64 nats, in window order
+    top1: np.ndarray  # the token each position ranks first
+    targets: np.ndarray  # the token that actually follows
+
+    @property
+    def mean_nll(self) -> float:
+        return float(self.nll.mean())
+
+    @property
+    def perplexity(self) -> float:
+        return float(np.exp(self.mean_nll))
+
+    @property
+    def accuracy(self) -> float:
+        """How often the top-ranked token is the one that follows."""
+        return float((self.top1 == self.targets).mean())
+
+
+def score_windows(
+    logits_of: Callable[[np.ndarray], np.ndarray], windows: list[np.ndarray], max_batch: int, vocab_size: int
+) -> Scores:
+    """Score `windows` (1-D token id arrays of at least 2 tokens) through `logits_of`, which maps ids
+    `[batch, seq]` to logits `[batch, seq, vocab]`; consecutive windows of one length share a batch."""
+    if not windows:
+        raise ValueError("no windows to score")
+    batch_limit = max(1, min(max_batch, LOGITS_BUDGET_BYTES // (4 * vocab_size * max(map(len, windows)))))
+    nll, top1, targets = [], [], []
+    begin = 0
+    while begin < len(windows):
+        end = begin + 1
+        while end < len(windows) and end - begin < batch_limit and len(windows[end]) == len(windows[begin]):
+            end += 1
+        ids = np.stack(windows[begin:end]).astype(np.int64)
+        batch_nll, batch_top1 = next_token_scores(logits_of(ids), ids)
+        nll.append(batch_nll.ravel())
+        top1.append(batch_top1.ravel())
+        targets.append(ids[:, 1:].ravel())
+        begin = end
+    return Scores(np.concatenate(nll), np.concatenate(top1), np.concatenate(targets))
