@@ -8,20 +8,25 @@ TORCH ?= torch==2.13.0+cpu
 STAMP := $(VENV)/.setup-done
 
 # `make export MODEL=... [CACHE=dynamic|static] [DTYPE=fp32|fp16|bf16] [OUT=...] [FORCE=1]`
-MODEL ?= fox-tiny
+MODEL ?= fox-py
 CACHE ?= dynamic
 DTYPE ?= fp32
 OUT ?= artifacts/$(notdir $(MODEL))-$(CACHE)-$(DTYPE)
 EXPORT_FLAGS ?=
 # `make generate [PROMPT=...] [GENERATE_FLAGS=...]` runs the artifact `make export` makes (exporting it first if needed)
-PROMPT ?= The forgetting transformer
+PROMPT ?= def parse_args(argv):
 GENERATE_FLAGS ?= --max-new-tokens 48
 EXPORT = $(VENV)/bin/kvg-export "$(MODEL)" --out "$(OUT)" --cache $(CACHE) --dtype $(DTYPE) $(EXPORT_FLAGS)
+# `make train PRESET=fox-py [TRAIN_FLAGS="--publish"]` trains a trained preset from nothing, or resumes its run
+PRESET ?= fox-py
+TRAIN_FLAGS ?=
+ARTIFACT ?=
+EVAL_FLAGS ?=
 # gpu-check runs where the CUDA stack is already installed (no venv is built): a Python with CUDA torch,
 # onnxruntime-gpu, transformers, tokenizers and this repository on PYTHONPATH.
 GPU_PYTHON ?= python3
 
-.PHONY: setup test lint format clean export generate gpu-check bench
+.PHONY: setup test lint format clean export generate train eval gpu-check bench
 
 setup: $(STAMP)
 
@@ -43,6 +48,14 @@ $(OUT)/kvg_config.json: | setup
 
 generate: setup $(OUT)/kvg_config.json
 	$(VENV)/bin/kvg-generate "$(OUT)" --prompt "$(PROMPT)" $(GENERATE_FLAGS)
+
+train: setup
+	$(VENV)/bin/kvg-train "$(PRESET)" $(TRAIN_FLAGS)
+
+# `make eval [MODEL=...] [ARTIFACT=...] [EVAL_FLAGS=...]`: held-out perplexity and top-1 agreement, eager against
+# the artifact (by default the one `make export` makes, exported first if missing)
+eval: setup $(if $(ARTIFACT),,$(OUT)/kvg_config.json)
+	$(VENV)/bin/kvg-eval "$(MODEL)" --artifact "$(or $(ARTIFACT),$(OUT))" $(EVAL_FLAGS)
 
 # Eager PyTorch against the runtime, side by side (see bench/README.md); BENCH_FLAGS e.g. "--runs 3".
 bench: setup

@@ -1,8 +1,9 @@
 """Resolve `MODEL=` (a preset name, a preset folder, or any local checkpoint folder) to a loaded FoX model.
 
-The model hub is unreachable, so presets in `models/` hold a configuration and a tokenizer, and their
-weights are made on first use from a fixed seed, saved as safetensors under the cache directory
-(`$KVG_CACHE_DIR`, default `~/.cache/kvg-export`) and reused after that.
+The model hub is unreachable, so presets in `models/` are made here. A trained preset (`fox-py`,
+`fox-pro-py`) holds its committed weights and is a checkpoint folder as it is. A random-weight preset
+holds a configuration and a tokenizer; its weights are made on first use from a fixed seed, saved as
+safetensors under the cache directory (`$KVG_CACHE_DIR`, default `~/.cache/kvg-export`) and reused after that.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def _has_weights(folder: Path) -> bool:
     return any(p.name.endswith(WEIGHT_SUFFIXES) for p in folder.iterdir())
 
 
-def _preset_folder(model: str | os.PathLike) -> Path | None:
+def preset_folder(model: str | os.PathLike) -> Path | None:
     """The preset folder `model` names (by name or by path), or None if it is not a preset."""
     as_path = Path(model)
     if (as_path / "preset.json").is_file():
@@ -67,7 +68,9 @@ def _build_preset(preset: Path, target: Path) -> None:
 
 def resolve_checkpoint(model: str | os.PathLike) -> Path:
     """A local folder with config.json and weights for `model`; preset weights are built once and cached."""
-    preset = _preset_folder(model)
+    preset = preset_folder(model)
+    if preset is not None and _has_weights(preset):
+        return preset  # a trained preset: a checkpoint folder as it is
     if preset is not None:
         digest = hashlib.sha256()
         for name in (*PRESET_FILES, "preset.json"):
