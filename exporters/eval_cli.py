@@ -1,0 +1,69 @@
+"""`kvg-eval MODEL [--artifact DIR]`: perplexity and next-token top-1 agreement on held-out text, eager
+PyTorch against an exported artifact run by the torch-free runtime. Exits 1 when the artifact misses
+the thresholds, 2 on bad input."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+from exporters.evaluate import DEFAULT_CONTEXT, EvalError, Thresholds, evaluate, write_json
+from kvg_export.corpus import SPLITS
+from runtime.artifact import SessionOptions
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="kvg-eval", description=__doc__)
+    parser.add_argument("model", help="a preset name or a local checkpoint folder (the eager reference)")
+    parser.add_argument("--artifact", type=Path, help="an artifact folder exported from MODEL")
+    parser.add_argument("--split", choices=tuple(SPLITS), default="test", help="corpus split to score (default test)")
+    parser.add_argument("--text", type=Path, action="append", help="score these files or folders instead (repeatable)")
+    parser.add_argument("--context", type=int, default=DEFAULT_CONTEXT, help="tokens per window (default %(default)s)")
+    parser.add_argument("--max-windows", type=int, help="score only the first N windows")
+    parser.add_argument("--provider", choices=("auto", "cuda", "cpu"), default="auto")
+    parser.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0: its default)")
+    parser.add_argument("--max-perplexity-diff", type=float, default=Thresholds.max_relative_perplexity_diff,
+                        help="largest relative perplexity difference accepted (default %(default)s)")  # fmt: skip
+    parser.add_argument("--min-agreement", type=float, default=Thresholds.min_top1_agreement,
+                        help="smallest top-1 agreement accepted (default %(default)s)")  # fmt: skip
+    parser.add_argument("--json", type=Path, help="where to write the report (default evals/MODEL[--ARTIFACT].json)")
+    return parser.parse_args(argv)
+
+
+def _default_json(model: str, artifact: Path | None) -> Path:
+    name = Path(model).name + (f"--{artifact.resolve().name}" if artifact else "")
+    return Path("evals") / f"{re.sub(r'[^A-Za-z0-9._-]+', '_', name)}.json"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.max_windows is not None and args.max_windows < 1:
+        print("kvg-eval: error: --max-windows must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        evaluation = evaluate(
+            args.model, args.artifact, split=args.split, text_paths=args.text, context=args.context,
+            max_windows=args.max_windows, session_options=SessionOptions(args.provider, args.threads),
+            thresholds=Thresholds(args.max_perplexity_diff, args.min_agreement),
+        )  # fmt: skip
+    except EvalError as error:
+        print(f"kvg-eval: error: {error}", file=sys.stderr)
+        return 2
+    text = evaluation.text
+    where = f"the Python {text['python']} stdlib {text['split']} split" if "split" in text else "the given files"
+    print(
+        f"kvg-eval: {args.model} on {where} ({text['files']} files, {text['tokens']:,} tokens): "
+        f"{evaluation.windows} windows of up to {evaluation.window_tokens} tokens, "
+        f"{evaluation.predicted_tokens:,} tokens predicted"
+    )
+    print(evaluation.table())
+    path = args.json or _default_json(args.model, args.artifact)
+    write_json(evaluation, path)
+    print(f"kvg-eval: report written to {path}")
+    return 1 if evaluation.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
