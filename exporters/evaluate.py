@@ -139,9 +139,10 @@ def _documents(split: str, text_paths: list[Path] | None) -> tuple[list[Document
         else:
             raise EvalError(f"text path {path} does not exist")
     documents = [Document(str(p), p.read_bytes().decode("utf-8", errors="replace")) for p in files]
-    described = {"source": "files", "paths": [str(p) for p in text_paths], "files": len(files)}
     return documents, {
-        **described,
+        "source": "files",
+        "paths": [str(p) for p in text_paths],
+        "files": len(files),
         "bytes": sum(len(d.text.encode()) for d in documents),
         "sha256": split_digest(documents),
     }
@@ -186,6 +187,8 @@ def evaluate(
     thresholds: Thresholds | None = None,
 ) -> Evaluation:
     """Score the text with eager PyTorch (float32) and, given an artifact, with the runtime."""
+    if context < 2:
+        raise EvalError(f"the context must be at least 2 tokens, got {context}")
     try:
         checkpoint = resolve_checkpoint(model)
         documents, text = _documents(split, text_paths)
@@ -205,11 +208,10 @@ def evaluate(
         return [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
 
     stream = token_stream(encode_batch, documents, eos)
-    if context < 2:
-        raise EvalError(f"the context must be at least 2 tokens, got {context}")
     chosen = windows(stream, context)[:max_windows]
     if not chosen:
-        raise EvalError(f"no text to evaluate: {text.get('split', 'the text paths')} holds {len(stream)} tokens")
+        where = f"the {split} split" if text_paths is None else "the text paths"
+        raise EvalError(f"no text to evaluate: {where} gives {len(stream)} tokens, fewer than the 2 a window needs")
     text["tokens"] = len(stream)
 
     def eager_logits(ids: np.ndarray) -> np.ndarray:
