@@ -9,10 +9,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, pre_tokenizers
 
+from kvg_export.corpus import read_split
 from kvg_export.preset_tokenizer import SPECIAL_TOKENS, build_tokenizer
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
-SHIPPED = sorted(MODELS.glob("*/tokenizer.json"))
+# Random-weight presets' tokenizers come from the top-level stdlib files; trained presets' from their training split.
+TRAINED = {p.parent.name for p in MODELS.glob("*/preset.json") if "training" in json.loads(p.read_text())}
+SHIPPED = sorted(p for p in MODELS.glob("*/tokenizer.json") if p.parent.name not in TRAINED)
 
 
 @functools.cache
@@ -88,3 +91,18 @@ def test_shipped_file_is_reproducible(path):
         cfg = json.loads(config.read_text(encoding="utf-8"))
         assert cfg["vocab_size"] == vocab_size
         assert (cfg["pad_token_id"], cfg["bos_token_id"], cfg["eos_token_id"]) == (0, 1, 2)
+
+
+@functools.cache
+def built_on_training_split(vocab_size: int) -> Tokenizer:
+    return build_tokenizer(vocab_size, (d.text for d in read_split("train")))
+
+
+@pytest.mark.parametrize("preset", sorted(TRAINED))
+def test_a_trained_presets_tokenizer_is_bpe_trained_on_the_training_split(preset):
+    shipped = json.loads((MODELS / preset / "tokenizer.json").read_text(encoding="utf-8"))
+    vocab_size = json.loads((MODELS / preset / "config.json").read_text())["vocab_size"]
+    assert shipped == json.loads(built_on_training_split(vocab_size).to_str()), (
+        f"{preset}'s tokenizer differs from one trained on this Python's stdlib training split; "
+        f"retrain with `make train PRESET={preset}` (same Python as before)"
+    )

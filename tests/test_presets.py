@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from kvg_export.presets import MODELS_DIR, load_model, preset_names, resolve_checkpoint
 
-EXPECTED_PRESETS = {"fox-tiny", "fox-pro-tiny", "fox-gqa-tiny", "fox-small"}
+EXPECTED_PRESETS = {"fox-tiny", "fox-pro-tiny", "fox-gqa-tiny", "fox-small", "fox-py", "fox-pro-py"}
 
 
 @pytest.fixture

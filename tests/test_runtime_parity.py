@@ -1,4 +1,5 @@
-"""The runtime generates exactly what eager PyTorch generate() does, for every preset and cache kind."""
+"""The runtime generates exactly what eager PyTorch generate() does, for every preset and cache kind (trained presets
+too, whose logits are far from flat, so a flipped token would show)."""
 
 import json
 
@@ -11,7 +12,7 @@ from kvg_export.presets import load_model
 from runtime.artifact import SessionOptions
 from runtime.generator import RESERVED_NEW_TOKENS, GenerationConfig, Generator
 
-PRESETS = ("fox-tiny", "fox-pro-tiny", "fox-gqa-tiny", "fox-small")
+PRESETS = ("fox-tiny", "fox-pro-tiny", "fox-gqa-tiny", "fox-small", "fox-py", "fox-pro-py")
 NEW_TOKENS = 64
 PROMPTS = {"single": [9], "left-padded-batch": [5, 11, 8]}
 
