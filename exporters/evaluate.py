@@ -138,6 +138,9 @@ def _documents(split: str, text_paths: list[Path] | None) -> tuple[list[Document
             files.append(path)
         else:
             raise EvalError(f"text path {path} does not exist")
+    if not files:
+        names = ", ".join(str(p) for p in text_paths)
+        raise EvalError(f"no text to evaluate: {names} holds no files ending in {', '.join(TEXT_SUFFIXES)}")
     documents = [Document(str(p), p.read_bytes().decode("utf-8", errors="replace")) for p in files]
     return documents, {
         "source": "files",
@@ -210,7 +213,7 @@ def evaluate(
     stream = token_stream(encode_batch, documents, eos)
     chosen = windows(stream, context)[:max_windows]
     if not chosen:
-        where = f"the {split} split" if text_paths is None else "the text paths"
+        where = f"the {split} split" if text_paths is None else "the text"
         raise EvalError(f"no text to evaluate: {where} gives {len(stream)} tokens, fewer than the 2 a window needs")
     text["tokens"] = len(stream)
 

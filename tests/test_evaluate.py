@@ -65,8 +65,11 @@ def test_bad_input_is_refused_with_the_problem_named(exported, tmp_path, foreign
     (tmp_path / "empty").mkdir()
     with pytest.raises(EvalError, match="does not exist"):
         evaluate("fox-py", text_paths=[tmp_path / "missing.py"])
-    with pytest.raises(EvalError, match="no text to evaluate"):
+    with pytest.raises(EvalError, match=r"no text to evaluate: .*empty holds no files ending in \.py"):
         evaluate("fox-py", text_paths=[tmp_path / "empty"])
+    (tmp_path / "blank.py").write_text("")  # its end-of-text token alone: nothing to predict
+    with pytest.raises(EvalError, match="no text to evaluate: the text gives 1 tokens, fewer than the 2"):
+        evaluate("fox-py", text_paths=[tmp_path / "blank.py"])
     with pytest.raises(EvalError, match="unknown model 'fox-huge'"):
         evaluate("fox-huge")
     with pytest.raises(EvalError, match=r"2048.*does not belong to this model"):

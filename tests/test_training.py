@@ -152,9 +152,11 @@ def test_a_recipe_with_unknown_settings_or_none_is_refused(tmp_path):
         TrainingRecipe.from_preset(tmp_path / "b")
 
 
-def test_the_command_refuses_an_unknown_preset(capsys):
+def test_the_command_refuses_an_unknown_or_random_weight_preset_naming_the_trained_ones(capsys):
     assert train_main(["fox-huge"]) == 2
-    assert "unknown preset 'fox-huge'" in capsys.readouterr().err
+    assert "'fox-huge' is an unknown preset; trained presets: fox-pro-py, fox-py" in capsys.readouterr().err
+    assert train_main(["fox-tiny"]) == 2
+    assert "'fox-tiny' is a random-weight preset" in capsys.readouterr().err
 
 
 def test_publishing_replaces_the_presets_weights_and_keeps_its_config(tmp_path, corpus):

@@ -11,6 +11,7 @@ import torch
 
 from kvg_export.presets import MODELS_DIR, preset_folder, preset_names
 from kvg_export.training.loop import publish_to_preset, train
+from kvg_export.training.recipe import has_recipe
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -30,10 +31,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     preset = preset_folder(args.preset)
-    if preset is None:
-        print(
-            f"kvg-train: error: unknown preset {args.preset!r}; presets: {', '.join(preset_names())}", file=sys.stderr
-        )
+    if preset is None or not has_recipe(preset):
+        trained = [name for name in preset_names() if has_recipe(MODELS_DIR / name)]
+        what = "an unknown preset" if preset is None else "a random-weight preset, with no training recipe"
+        print(f"kvg-train: error: {args.preset!r} is {what}; trained presets: {', '.join(trained)}", file=sys.stderr)
         return 2
     run_dir = args.run_dir or Path("runs") / preset.name
     if args.pause_after is not None and args.pause_after < 1:

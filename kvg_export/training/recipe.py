@@ -9,6 +9,10 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 
+def has_recipe(preset: Path) -> bool:
+    return "training" in json.loads((preset / "preset.json").read_text())
+
+
 @dataclass(frozen=True)
 class TrainingRecipe:
     seed: int  # weight init; batch k is drawn from a generator seeded with (seed, k)
