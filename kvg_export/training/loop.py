@@ -143,8 +143,11 @@ def train(
                 save_checkpoint(checkpoint, model, data.tokenizer, preset, optimizer, state)
     except KeyboardInterrupt:
         bar.close()
-        saved = torch.load(checkpoint / STATE_NAME, weights_only=True)["step"] if checkpoint.is_dir() else 0
-        log(f"interrupted at step {state['step']}; the checkpoint of step {saved} resumes with the same command")
+        if (checkpoint / STATE_NAME).is_file():
+            saved = torch.load(checkpoint / STATE_NAME, weights_only=True)["step"]
+            log(f"interrupted at step {state['step']}; the same command resumes from the checkpoint of step {saved}")
+        else:
+            log(f"interrupted at step {state['step']}, before the first checkpoint; the same command starts over")
         raise
     bar.close()
     if state["step"] < recipe.steps:
