@@ -2,8 +2,9 @@
 validation at intervals, checkpoints to resume from, and at the end the run's report (`training.json`),
 its loss curve and the finished model folder.
 
-On one machine with the same torch and thread count, a run is repeatable: the weights start from the
-recipe's seed, batch k is drawn from (seed, k), and a resumed run continues exactly where it stopped.
+The weights start from the recipe's seed and batch k is drawn from (seed, k), so a resumed run sees what
+an uninterrupted one would. Run eagerly, on one machine with the same torch and thread count, a run
+repeats bit for bit, resumed or not; the compiled step's kernels do not repeat their last bits run to run.
 """
 
 from __future__ import annotations
