@@ -48,7 +48,13 @@ def preset_folder(model: str | os.PathLike) -> Path | None:
 
 def _build_preset(preset: Path, target: Path) -> None:
     """Write the preset's checkpoint folder: seeded random weights plus its config and tokenizer files."""
-    seed = json.loads((preset / "preset.json").read_text())["seed"]
+    recipe = json.loads((preset / "preset.json").read_text())
+    if "seed" not in recipe:  # a trained preset, whose committed weights are missing
+        raise FileNotFoundError(
+            f"{preset} has no weights (model.safetensors); restore them with git, or retrain them with "
+            f"`make train PRESET={preset.name} TRAIN_FLAGS=--publish`"
+        )
+    seed = recipe["seed"]
     config = FoxConfig.from_pretrained(preset)
     torch.manual_seed(seed)
     model = FoxForCausalLM(config)

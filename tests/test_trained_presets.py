@@ -2,6 +2,7 @@
 
 import json
 import platform
+import shutil
 
 import pytest
 import torch
@@ -21,6 +22,13 @@ def test_a_trained_preset_is_its_own_checkpoint_folder_and_builds_nothing(preset
     monkeypatch.setenv("KVG_CACHE_DIR", str(tmp_path / "cache"))
     assert resolve_checkpoint(preset) == MODELS_DIR / preset
     assert not (tmp_path / "cache").exists()
+
+
+def test_a_trained_preset_missing_its_weights_says_how_to_get_them_back(tmp_path):
+    copy = tmp_path / "fox-py"
+    shutil.copytree(MODELS_DIR / "fox-py", copy, ignore=shutil.ignore_patterns("model.safetensors"))
+    with pytest.raises(FileNotFoundError, match=r"has no weights.*make train PRESET=fox-py"):
+        resolve_checkpoint(copy)
 
 
 def test_the_trained_presets_keep_the_official_state_dict_names():
