@@ -20,6 +20,7 @@ from tokenizers import Tokenizer
 
 from exporters.manifest import source_digest
 from kvg_export.corpus import Document, describe, read_split, split_digest, token_stream, windows
+from kvg_export.folders import write_whole
 from kvg_export.presets import load_model, resolve_checkpoint
 from runtime.artifact import ArtifactError, SessionOptions
 from runtime.generator import Generator
@@ -206,11 +207,7 @@ def evaluate(
         if generator.artifact.static:
             context = min(context, generator.artifact.manifest["cache"]["max_cache_len"])
     eos = config.eos_token_id[0] if isinstance(config.eos_token_id, list) else config.eos_token_id
-
-    def encode_batch(texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
-
-    stream = token_stream(encode_batch, documents, eos)
+    stream = token_stream(tokenizer, documents, eos)
     chosen = windows(stream, context)[:max_windows]
     if not chosen:
         where = f"the {split} split" if text_paths is None else "the text"
@@ -238,8 +235,4 @@ def evaluate(
 
 
 def write_json(evaluation: Evaluation, path: Path) -> None:
-    """Written beside the target and renamed, so a reader never sees half a report."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(json.dumps(evaluation.to_json(), indent=2) + "\n")
-    partial.replace(path)
+    write_whole(path, (json.dumps(evaluation.to_json(), indent=2) + "\n").encode())

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from tokenizers import Tokenizer
 
 SPLITS = {"train": range(0, 90), "validation": range(90, 95), "test": range(95, 100)}  # percent buckets
 EXCLUDED_FOLDERS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})
@@ -80,12 +81,10 @@ def describe(splits: dict[str, list[Document]]) -> dict:
     }
 
 
-def token_stream(encode_batch, documents: list[Document], eos_id: int | None) -> np.ndarray:
-    """The documents' token ids joined into one stream, each followed by `eos_id` if there is one (int64).
-
-    `encode_batch` maps a list of texts to a list of id lists (a tokenizer's, without special tokens).
-    """
-    ids = encode_batch([d.text for d in documents])
+def token_stream(tokenizer: Tokenizer, documents: list[Document], eos_id: int | None) -> np.ndarray:
+    """The documents' token ids (no special tokens added) joined into one stream, each followed by `eos_id`
+    if there is one (int64)."""
+    ids = [e.ids for e in tokenizer.encode_batch([d.text for d in documents], add_special_tokens=False)]
     end = [] if eos_id is None else [eos_id]
     pieces = [np.asarray([*row, *end], dtype=np.int64) for row in ids]
     return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)

@@ -1,4 +1,4 @@
-"""Folders that appear whole or not at all: built in a hidden staging folder beside the target, then renamed
+"""Files and folders that appear whole or not at all: built in a hidden staging folder beside the target, then renamed
 into place, so a failed or interrupted writer never leaves a half-written artifact or checkpoint, and an
 old folder is replaced only by a complete new one."""
 
@@ -32,6 +32,19 @@ def publish(staging: Path, out: Path) -> None:
         raise
     if old is not None:
         shutil.rmtree(old) if old.is_dir() else old.unlink()
+
+
+def write_whole(path: Path, data: bytes) -> None:
+    """Write `data` beside `path` and rename it into place, so a reader never sees half a file. A plain open
+    (not mkstemp) keeps the usual umask permissions on the result."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        with open(partial, "xb") as f:
+            f.write(data)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 @contextmanager

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from kvg_export.folders import write_whole
+
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>"]  # ids 0, 1, 2
 CORPUS_DIR = Path(os.path.dirname(os.__file__))
 # Stop reading the stdlib once this many bytes are in: bounds build time whatever the Python version.
@@ -57,17 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vocab-size", type=int, required=True)
     parser.add_argument("--out", type=Path, required=True, help="where to write tokenizer.json")
     args = parser.parse_args(argv)
-    text = build_tokenizer(args.vocab_size).to_str()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    # Write beside the target and rename, so a reader never sees a half-written file. A plain open (not
-    # mkstemp) keeps the usual umask permissions on the result.
-    tmp = args.out.with_name(f".{args.out.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "x", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, args.out)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_whole(args.out, build_tokenizer(args.vocab_size).to_str().encode("utf-8"))
 
 
 if __name__ == "__main__":

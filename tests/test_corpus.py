@@ -1,5 +1,7 @@
 """The stdlib corpus: a deterministic split by file, test folders left out, and its streams and windows."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -70,9 +72,16 @@ def test_an_unknown_split_is_refused():
         read_split("dev")
 
 
+class CharacterCodes:
+    """A stand-in tokenizer: one id per character, its code point."""
+
+    def encode_batch(self, texts, add_special_tokens):
+        return [SimpleNamespace(ids=[ord(c) for c in t]) for t in texts]
+
+
 def test_documents_are_joined_with_an_end_of_text_token():
     docs = [Document("a", "ab"), Document("b", "c")]
-    stream = token_stream(lambda texts: [[ord(c) for c in t] for t in texts], docs, eos_id=2)
+    stream = token_stream(CharacterCodes(), docs, eos_id=2)
     assert stream.tolist() == [97, 98, 2, 99, 2]
 
 

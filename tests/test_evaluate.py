@@ -26,7 +26,7 @@ def test_an_artifact_scores_the_held_out_text_as_eager_pytorch_does(exported, ca
     # eager's figure against the training loop's torch cross-entropy over the same windows
     model = load_model("fox-py")
     tokenizer = Tokenizer.from_file(str(MODELS_DIR / "fox-py" / "tokenizer.json"))
-    stream = token_stream(lambda texts: [e.ids for e in tokenizer.encode_batch(texts)], read_split("test"), 2)
+    stream = token_stream(tokenizer, read_split("test"), 2)
     chosen = windows(stream, evaluation.window_tokens)[:WINDOWS]
     assert evaluation.eager.nll == pytest.approx(mean_loss(model, chosen), rel=1e-5)
     assert evaluation.predicted_tokens == sum(len(w) - 1 for w in chosen)

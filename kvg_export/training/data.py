@@ -31,11 +31,7 @@ class TrainingData:
         if empty:
             raise ValueError(f"the corpus at {root or 'the stdlib'} has no files in split(s) {', '.join(empty)}")
         tokenizer = build_tokenizer(vocab_size, (d.text for d in documents["train"]))
-
-        def encode_batch(texts: list[str]) -> list[list[int]]:
-            return [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
-
-        streams = {name: token_stream(encode_batch, docs, EOS_ID) for name, docs in documents.items()}
+        streams = {name: token_stream(tokenizer, docs, EOS_ID) for name, docs in documents.items()}
         return cls(tokenizer, streams, describe(documents))
 
     @property

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from kvg_export.folders import written_whole
+from kvg_export.folders import write_whole, written_whole
 from kvg_export.fox import FoxConfig, FoxForCausalLM
 from kvg_export.training.checkpoint import STATE_NAME, load_checkpoint, save_checkpoint, save_model_folder
 from kvg_export.training.curve import plot_losses
@@ -202,6 +202,4 @@ def _finish(preset, run_dir, model, data: TrainingData, recipe: TrainingRecipe, 
 def publish_to_preset(model_folder: Path, preset: Path) -> None:
     """Make a finished run the preset's committed weights: each file replaced whole, config.json kept."""
     for name in PUBLISHED_FILES:
-        partial = preset / f".{name}.partial"
-        partial.write_bytes((model_folder / name).read_bytes())
-        os.replace(partial, preset / name)
+        write_whole(preset / name, (model_folder / name).read_bytes())
