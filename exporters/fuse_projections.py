@@ -10,6 +10,7 @@ result against eager PyTorch like any other graph.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 
 import numpy as np
 import onnx_ir as ir
@@ -28,12 +29,13 @@ def _projects_through_constant(node: ir.Node) -> bool:
     )
 
 
-def fuse_projections(graph: ir.Graph) -> int:
-    """Join every group of MatMuls that share their left operand and have constant weights of one dtype;
-    returns how many MatMuls were removed."""
+def fuse_projections(graph: ir.Graph, keep_apart: Callable[[ir.Node], bool] = lambda node: False) -> int:
+    """Join every group of MatMuls that share their left operand and have constant weights of one dtype,
+    leaving out those `keep_apart` names (a quantized export keeps some projections in float); returns how
+    many MatMuls were removed. The joined MatMul is named after its parts, joined by "+"."""
     groups: dict[ir.Value, list[ir.Node]] = defaultdict(list)
     for node in graph:
-        if _projects_through_constant(node) and not node.outputs[0].is_graph_output():
+        if _projects_through_constant(node) and not node.outputs[0].is_graph_output() and not keep_apart(node):
             groups[node.inputs[0]].append(node)
     removed = 0
     for nodes in groups.values():
@@ -41,14 +43,14 @@ def fuse_projections(graph: ir.Graph) -> int:
         if len(nodes) < 2 or len({weight.const_value.dtype for weight in old_weights}) > 1:
             continue
         weights = [weight.const_value.numpy() for weight in old_weights]
-        name = nodes[0].name or nodes[0].outputs[0].name
+        name = "+".join(node.name or node.outputs[0].name for node in nodes)
         joined = ir.Value(name=f"{name}.joined_weight", const_value=ir.tensor(np.concatenate(weights, axis=1)))
         widths = ir.Value(
             name=f"{name}.joined_widths", const_value=ir.tensor(np.array([w.shape[1] for w in weights], np.int64))
         )
         graph.register_initializer(joined)
         graph.register_initializer(widths)
-        matmul = ir.node("MatMul", [nodes[0].inputs[0], joined], name=f"{name}.joined")
+        matmul = ir.node("MatMul", [nodes[0].inputs[0], joined], name=name)
         split = ir.node(
             "Split", [matmul.outputs[0], widths], {"axis": -1}, num_outputs=len(nodes), name=f"{name}.split"
         )

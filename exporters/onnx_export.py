@@ -6,8 +6,10 @@ the past length: size-0/1 examples or automatic dims would specialise the graph.
 
 from __future__ import annotations
 
+import ast
 import logging
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import onnx_ir as ir
@@ -95,11 +97,29 @@ def _axis_names(layout: CacheLayout, name: str) -> list[str | None]:
     return ["batch", None, length, None]
 
 
+def name_by_module(graph: ir.Graph) -> None:
+    """Name each node that reads a weight (MatMul, the embedding's Gather) after its module as the state dict
+    names it (`model.layers.0.attn.fgate_proj`, `lm_head`), so that a quantization pass can choose by role and
+    a reader of the graph sees what each product is."""
+    taken = {node.name for node in graph}
+    for node in graph:
+        scopes = node.metadata_props.get("pkg.torch.onnx.name_scopes")
+        weight = {"MatMul": 1, "Gather": 0}.get(node.op_type)
+        if scopes is None or weight is None or not node.inputs[weight].is_initializer():
+            continue
+        module = ast.literal_eval(scopes)[-2].removeprefix("model.")  # the wrapper holds the model as `model`
+        if module not in taken:
+            taken.add(module)
+            node.name = module
+
+
 def lower_to_onnx(
-    program: ExportedProgram, example: tuple, layout: CacheLayout, path: Path, opset: int, external_data: bool
-) -> int:
+    program: ExportedProgram, example: tuple, layout: CacheLayout, path: Path, opset: int, external_data: bool,
+    keep_apart: Callable[[str], bool] = lambda module: False,
+) -> int:  # fmt: skip
     """Write `path`: the ONNX graph with contract names and named axes, weights beside it if `external_data`;
-    returns how many projections were joined into others (see `fuse_projections`)."""
+    returns how many projections were joined into others (see `fuse_projections`; modules `keep_apart` names
+    are not joined)."""
     # Quiet the exporter's notes that concern other libraries (torchvision ops, a pytree deprecation in torch).
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
     with warnings.catch_warnings():
@@ -119,6 +139,7 @@ def lower_to_onnx(
     for value in [*graph.inputs, *graph.outputs]:
         axes = _axis_names(layout, value.name)
         value.shape = ir.Shape([name or dim for name, dim in zip(axes, value.shape, strict=True)])
-    joined = fuse_projections(graph)
+    name_by_module(graph)
+    joined = fuse_projections(graph, lambda node: keep_apart(node.name))
     onnx_program.save(str(path), external_data=external_data)
     return joined
