@@ -14,6 +14,16 @@ from kvg_export.corpus import SPLITS
 from runtime.artifact import SessionOptions
 
 
+def _bands(text: str) -> list[tuple[int, int]]:
+    try:
+        bands = [tuple(int(n) for n in part.split("-")) for part in text.split(",")]
+        if all(len(band) == 2 for band in bands):
+            return bands
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"{text!r}: give bands as first-last[,first-last...], e.g. 0-255")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="kvg-eval", description=__doc__)
     parser.add_argument("model", help="a preset name or a local checkpoint folder (the eager reference)")
@@ -28,6 +38,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="largest relative perplexity difference accepted (default %(default)s)")  # fmt: skip
     parser.add_argument("--min-agreement", type=float, default=Thresholds.min_top1_agreement,
                         help="smallest top-1 agreement accepted (default %(default)s)")  # fmt: skip
+    parser.add_argument("--bands", type=_bands, default=[], help="also score window positions apart, e.g. "
+                        "0-255,1024-2047 (first-last, inclusive)")  # fmt: skip
     parser.add_argument("--json", type=Path, help="where to write the report (default evals/MODEL[--ARTIFACT].json)")
     return parser.parse_args(argv)
 
@@ -46,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         evaluation = evaluate(
             args.model, args.artifact, split=args.split, text_paths=args.text, context=args.context,
             max_windows=args.max_windows, session_options=SessionOptions(args.provider, args.threads),
-            thresholds=Thresholds(args.max_perplexity_diff, args.min_agreement),
+            thresholds=Thresholds(args.max_perplexity_diff, args.min_agreement), bands=args.bands,
         )  # fmt: skip
     except EvalError as error:
         print(f"kvg-eval: error: {error}", file=sys.stderr)

@@ -55,6 +55,44 @@ class SystemResult:
 
 
 @dataclass
+class Band:
+    """The figures over the tokens at window positions first..last (inclusive; a token at position p is
+    predicted from the p before it): how quality holds over the context, where an error in the forget gate
+    would grow with its cumulative sum."""
+
+    first: int
+    last: int
+    predicted_tokens: int
+    eager_perplexity: float
+    artifact_perplexity: float | None = None
+    top1_agreement: float | None = None
+
+    @property
+    def relative_perplexity_diff(self) -> float | None:
+        if self.artifact_perplexity is None:
+            return None
+        return (self.artifact_perplexity - self.eager_perplexity) / self.eager_perplexity
+
+    @classmethod
+    def of(cls, first: int, last: int, eager: Scores, artifact: Scores | None) -> Band:
+        chosen = (eager.positions >= first) & (eager.positions <= last)
+        band = cls(first, last, int(chosen.sum()), float(np.exp(eager.nll[chosen].mean())))
+        if artifact is not None:
+            band.artifact_perplexity = float(np.exp(artifact.nll[chosen].mean()))
+            band.top1_agreement = float((artifact.top1[chosen] == eager.top1[chosen]).mean())
+        return band
+
+    def describe(self) -> str:
+        line = f"positions {self.first}-{self.last}: eager perplexity {self.eager_perplexity:.5f}"
+        if self.artifact_perplexity is not None:
+            line += (
+                f", artifact {self.artifact_perplexity:.5f} ({self.relative_perplexity_diff:+.2e} relative), "
+                f"top-1 agreement {self.top1_agreement:.4%}"
+            )
+        return line + f" ({self.predicted_tokens:,} tokens)"
+
+
+@dataclass
 class Evaluation:
     model: str
     text: dict  # what was scored: source, files, digest, tokens
@@ -65,6 +103,7 @@ class Evaluation:
     artifact: SystemResult | None = None
     top1_agreement: float | None = None
     thresholds: Thresholds = field(default_factory=Thresholds)
+    bands: list[Band] = field(default_factory=list)
 
     @property
     def relative_perplexity_diff(self) -> float | None:
@@ -93,6 +132,7 @@ class Evaluation:
             "relative_perplexity_diff": self.relative_perplexity_diff,
             "passed": not self.failures,
             "failures": self.failures,
+            "bands": [{**asdict(b), "relative_perplexity_diff": b.relative_perplexity_diff} for b in self.bands],
         }
 
     def table(self) -> str:
@@ -115,6 +155,7 @@ class Evaluation:
             )
         row("seconds", [f"{s.seconds:.1f}" for s in systems])
         lines = ["  ".join(f"{cell:<{16 if i == 0 else width}}" for i, cell in enumerate(r)).rstrip() for r in rows]
+        lines += [band.describe() for band in self.bands]
         if self.artifact:
             limits = self.thresholds
             verdict = "; ".join(self.failures) or (
@@ -189,10 +230,15 @@ def evaluate(
     max_windows: int | None = None,
     session_options: SessionOptions | None = None,
     thresholds: Thresholds | None = None,
+    bands: list[tuple[int, int]] = (),
 ) -> Evaluation:
-    """Score the text with eager PyTorch (float32) and, given an artifact, with the runtime."""
+    """Score the text with eager PyTorch (float32) and, given an artifact, with the runtime; `bands` (first and
+    last window position, inclusive) also get figures of their own."""
     if context < 2:
         raise EvalError(f"the context must be at least 2 tokens, got {context}")
+    for first, last in bands:
+        if not 0 <= first <= last:
+            raise EvalError(f"positions {first}-{last} are not a band: give first-last with 0 <= first <= last")
     try:
         checkpoint = resolve_checkpoint(model)
         documents, text = _documents(split, text_paths)
@@ -213,6 +259,14 @@ def evaluate(
         where = f"the {split} split" if text_paths is None else "the text"
         raise EvalError(f"no text to evaluate: {where} gives {len(stream)} tokens, fewer than the 2 a window needs")
     text["tokens"] = len(stream)
+    longest = max(map(len, chosen))
+    for first, last in bands:
+        if last >= longest:
+            longer = "--context" + (", or export a longer static artifact" if generator else "")
+            raise EvalError(
+                f"positions {first}-{last} need windows of {last + 1} tokens; the longest here has {longest} "
+                f"(raise {longer})"
+            )
 
     def eager_logits(ids: np.ndarray) -> np.ndarray:
         with torch.no_grad():
@@ -231,6 +285,8 @@ def evaluate(
         artifact_scores = score_windows(generator.teacher_forced_logits, chosen, max_batch, config.vocab_size)
         evaluation.artifact = SystemResult.of(str(artifact), artifact_scores, time.perf_counter() - began)
         evaluation.top1_agreement = float((artifact_scores.top1 == eager_scores.top1).mean())
+    evaluation.bands = [Band.of(first, last, eager_scores, artifact_scores if generator else None)
+                        for first, last in bands]  # fmt: skip
     return evaluation
 
 

@@ -33,6 +33,7 @@ class Scores:
     nll: np.ndarray  # per predicted token, float64 nats, in window order
     top1: np.ndarray  # the token each position ranks first
     targets: np.ndarray  # the token that actually follows
+    positions: np.ndarray  # each predicted token's position in its window: the context it had (1 to seq - 1)
 
     @property
     def mean_nll(self) -> float:
@@ -56,7 +57,7 @@ def score_windows(
     if not windows:
         raise ValueError("no windows to score")
     batch_limit = max(1, min(max_batch, LOGITS_BUDGET_BYTES // (4 * vocab_size * max(map(len, windows)))))
-    nll, top1, targets = [], [], []
+    nll, top1, targets, positions = [], [], [], []
     begin = 0
     while begin < len(windows):
         end = begin + 1
@@ -67,5 +68,6 @@ def score_windows(
         nll.append(batch_nll.ravel())
         top1.append(batch_top1.ravel())
         targets.append(ids[:, 1:].ravel())
+        positions.append(np.tile(np.arange(1, ids.shape[1]), len(ids)))
         begin = end
-    return Scores(np.concatenate(nll), np.concatenate(top1), np.concatenate(targets))
+    return Scores(*(np.concatenate(parts) for parts in (nll, top1, targets, positions)))

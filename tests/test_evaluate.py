@@ -3,7 +3,9 @@
 import json
 import shutil
 
+import numpy as np
 import pytest
+import torch
 from tokenizers import Tokenizer
 
 from exporters.eval_cli import main
@@ -82,3 +84,24 @@ def test_the_command_exits_2_on_bad_input(tmp_path, capsys):
     assert main(["fox-py", "--text", str(tmp_path / "missing.py")]) == 2
     assert "kvg-eval: error: text path" in capsys.readouterr().err
     assert main(["fox-py", "--max-windows", "0"]) == 2
+
+
+def test_bands_score_the_positions_they_name(exported):
+    """Each band's figures are those of the tokens at its window positions, by torch's own log-softmax."""
+    artifact = exported("fox-py", "dynamic")[0].path
+    evaluation = evaluate("fox-py", artifact, context=64, max_windows=4, bands=[(1, 15), (32, 63)])
+    model = load_model("fox-py")
+    tokenizer = Tokenizer.from_file(str(MODELS_DIR / "fox-py" / "tokenizer.json"))
+    ids = torch.tensor(np.stack(windows(token_stream(tokenizer, read_split("test"), 2), 64)[:4]))
+    with torch.no_grad():
+        log_probs = torch.log_softmax(model(input_ids=ids).logits.double(), dim=-1)
+    nll = -log_probs[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]  # column p - 1 predicts the token at p
+    for band, (first, last) in zip(evaluation.bands, [(1, 15), (32, 63)], strict=True):
+        chosen = nll[:, first - 1 : last]
+        assert (band.first, band.last, band.predicted_tokens) == (first, last, chosen.numel())
+        assert band.eager_perplexity == pytest.approx(float(chosen.mean().exp()), rel=1e-5)
+        assert band.artifact_perplexity == pytest.approx(band.eager_perplexity, rel=1e-4)
+        assert band.top1_agreement == 1.0
+    assert "positions 32-63: eager perplexity" in evaluation.table()
+    with pytest.raises(EvalError, match="positions 0-64 need windows of 65 tokens; the longest here has 64"):
+        evaluate("fox-py", context=64, max_windows=1, bands=[(0, 64)])
