@@ -7,16 +7,18 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0+cpu
 STAMP := $(VENV)/.setup-done
 
-# `make export MODEL=... [CACHE=dynamic|static] [DTYPE=fp32|fp16|bf16] [OUT=...] [FORCE=1]`
+# `make export MODEL=... [CACHE=dynamic|static] [DTYPE=fp32|fp16|bf16] [QUANT=int8|int4] [OUT=...] [FORCE=1]`
 MODEL ?= fox-py
 CACHE ?= dynamic
 DTYPE ?= fp32
-OUT ?= artifacts/$(notdir $(MODEL))-$(CACHE)-$(DTYPE)
+QUANT ?=
+OUT ?= artifacts/$(notdir $(MODEL))-$(CACHE)-$(DTYPE)$(if $(QUANT),-$(QUANT))
 EXPORT_FLAGS ?=
 # `make generate [PROMPT=...] [GENERATE_FLAGS=...]` runs the artifact `make export` makes (exporting it first if needed)
 PROMPT ?= def parse_args(argv):
 GENERATE_FLAGS ?= --max-new-tokens 48
-EXPORT = $(VENV)/bin/kvg-export "$(MODEL)" --out "$(OUT)" --cache $(CACHE) --dtype $(DTYPE) $(EXPORT_FLAGS)
+EXPORT = $(VENV)/bin/kvg-export "$(MODEL)" --out "$(OUT)" --cache $(CACHE) --dtype $(DTYPE) \
+	$(if $(QUANT),--quantize $(QUANT)) $(EXPORT_FLAGS)
 # `make train PRESET=fox-py [TRAIN_FLAGS="--publish"]` trains a trained preset from nothing, or resumes its run
 PRESET ?= fox-py
 TRAIN_FLAGS ?=

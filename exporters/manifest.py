@@ -102,6 +102,7 @@ def build_manifest(
             "pad": config.pad_token_id,
         },
         "files": files,
+        "quantization": None,  # a quantized export records its settings here (exporters/quantize.py)
     }
 
 

@@ -155,6 +155,19 @@ class Artifact:
         return attention_of(self.manifest)
 
     @property
+    def weights(self) -> str:
+        """What the weights are, for a user's first line: "float32 weights" or e.g. "int4 weights (rtn, block 32,
+        accuracy level 4; in float: fgate, embedding)"."""
+        quantization = self.manifest.get("quantization")
+        if not quantization:
+            return f"{self.manifest['dtype']} weights"
+        kept = ", ".join(quantization["keep_float"]) or "nothing"
+        return (
+            f"{quantization['dtype']} weights ({quantization['method']}, block {quantization['block_size']}, "
+            f"accuracy level {quantization['accuracy_level']}; in {self.manifest['dtype']}: {kept})"
+        )
+
+    @property
     def vocab_size(self) -> int:
         return self.manifest["model"]["vocab_size"]
 

@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.provider == "auto" and device == "CPU":
             gqa = generator.artifact.attention == "gqa"
             why = " (its GroupQueryAttention runs on the CPU provider)" if gqa else " (CUDA is not usable here)"
-        print(f"kvg-generate: {generator.artifact.folder} on {device}{why}", file=sys.stderr)
+        artifact = generator.artifact
+        print(f"kvg-generate: {artifact.folder} on {device}{why}, {artifact.weights}", file=sys.stderr)
         prompts = args.prompt or args.ids
         if args.stream and len(prompts) == 1:
             stream = generator.stream(prompts, config)

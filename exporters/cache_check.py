@@ -1,0 +1,93 @@
+"""The cache checks a quantized artifact gets instead of elementwise parity with eager: its graph still keeps
+the cache contract, and the runtime's in-place binding still computes what a plain `session.run` does.
+
+A left-padded batch is generated greedily by the runtime (cache buffers bound on the device, written in place
+or fed back as the artifact's kind asks) and replayed step by step through `session.run` with fresh numpy
+arrays, every present fed back as the next past. Each present must have the contract's shape and dtype, and
+each step's logits must agree between the two within the dtype's tolerance: the same graph on the same
+kernels, so any larger difference means the binding read or wrote the wrong cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from exporters.validate import DECODE_STEPS, PADDING, PROMPT_LENGTH, TOLERANCES
+from runtime.artifact import NUMPY_DTYPES, SessionOptions
+from runtime.generator import GenerationConfig, Generator
+
+
+@dataclass
+class CacheCheck:
+    batch: int
+    prompt_length: int
+    decode_steps: int
+    presents_checked: int
+    max_logits_diff: float
+    tolerance: float
+    failure: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.failure is None
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "passed": self.passed}
+
+
+def check_cache(folder: Path, batch: int = 2) -> CacheCheck:
+    """Generate with the runtime and replay through `session.run`; see the module docstring."""
+    generator = Generator.open(folder, SessionOptions(provider="cpu"))
+    manifest, session = generator.artifact.manifest, generator.artifact.session
+    static = generator.artifact.static
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(3, manifest["model"]["vocab_size"], (batch, PROMPT_LENGTH)).tolist()
+    prompts[0] = prompts[0][PADDING:] if batch > 1 else prompts[0]
+    no_stop = GenerationConfig(DECODE_STEPS + 1, min_new_tokens=DECODE_STEPS + 1)  # every row runs every step
+    result = generator.generate(prompts, no_stop, keep_logits=True)
+    tolerance = TOLERANCES[manifest["dtype"]]
+    check = CacheCheck(batch, PROMPT_LENGTH, DECODE_STEPS, 0, 0.0, tolerance)
+
+    ids = np.full((batch, PROMPT_LENGTH), generator.pad, dtype=np.int64)
+    mask = np.ones((batch, PROMPT_LENGTH), dtype=np.int64)
+    for row, prompt in enumerate(prompts):
+        ids[row, PROMPT_LENGTH - len(prompt) :], mask[row, : PROMPT_LENGTH - len(prompt)] = prompt, 0
+    pasts = {
+        entry["name"]: np.zeros([batch if a == "batch" else 0 if a == "past" else a for a in entry["axes"]],
+                                dtype=NUMPY_DTYPES[entry["dtype"]])
+        for entry in manifest["inputs"] if entry["name"].startswith("past_key_values.")
+    }  # fmt: skip
+    presents = [entry for entry in manifest["outputs"] if entry["name"] != "logits"]
+    filled = 0
+    for step, want in enumerate(result.step_logits):
+        feeds = {"input_ids": ids, "attention_mask": mask, **pasts}
+        if static:
+            feeds["cache_position"] = np.arange(filled, filled + ids.shape[1], dtype=np.int64)
+        logits, *outputs = session.run(None, feeds)
+        for entry, value in zip(presents, outputs, strict=True):
+            sizes = {"batch": batch, "total": filled + ids.shape[1]}
+            shape = tuple(sizes.get(a, a) for a in entry["axes"])
+            if value.shape != shape or value.dtype != NUMPY_DTYPES[entry["dtype"]]:
+                check.failure = (
+                    f"step {step}: {entry['name']} is {value.dtype}{list(value.shape)}, the contract says "
+                    f"{entry['dtype']}{list(shape)}"
+                )
+                return check
+            check.presents_checked += 1
+        diff = float(np.abs(logits[:, -1] - want).max())
+        check.max_logits_diff = max(check.max_logits_diff, diff)
+        if diff > tolerance:
+            check.failure = (
+                f"step {step}: the runtime's logits (cache bound in place) differ from session.run's by {diff:.2e} "
+                f"> {tolerance:.0e}"
+            )
+            return check
+        filled += ids.shape[1]
+        pasts = {name.replace("present.", "past_key_values."): value
+                 for name, value in zip((e["name"] for e in presents), outputs, strict=True)}  # fmt: skip
+        ids = np.array([[row[step]] for row in result.tokens], dtype=np.int64)  # no row stops early
+        mask = np.concatenate([mask, np.ones((batch, 1), dtype=np.int64)], axis=1)
+    return check
