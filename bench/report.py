@@ -10,7 +10,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-TARGET_RATIOS = {"fox-small": 4.0, "fox-tiny": 13.0}  # runtime decode tokens/s over eager's, batch 1
+TARGET_RATIOS = {"fox-small": 4.0, "fox-tiny": 13.0}  # fp32 runtime decode tokens/s over eager's, batch 1
+QUANTIZED_SPEEDUP = {"runtime-dynamic-int4": 2.5}  # fox-small, batch 1: decode over the fp32 runtime's
 LOOP_SHARE = 0.05  # the loop's own time as a share of a fox-small step
 STATIC_SLOWDOWN = 1.25  # step at 200 filled: max_cache_len 2048 over max_cache_len 256
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
@@ -23,12 +24,13 @@ def _fmt(spread: dict, scale: float = 1.0, digits: int = 1) -> str:
 
 def table(results: dict) -> str:
     lines = [
-        "| model | batch | system | decode tok/s | vs eager dynamic | first token ms "
+        "| model | batch | system | decode tok/s | vs eager dynamic | vs runtime fp32 | first token ms "
         "| step ms (onnxruntime + loop) | peak RSS MB |",
-        "|---|---:|---|---:|---:|---:|---:|---:|",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for row in results["compare"]:
         first = _fmt(row["ttft_s"], 1e3) if "ttft_s" in row else ""  # the read floor has no first token
+        fp32 = f"{row['decode_vs_runtime_fp32']['median']:.2f}x" if "decode_vs_runtime_fp32" in row else ""
         split = ""
         if "step_loop_s" in row:
             step, inside, loop = (row[k]["median"] * 1e3 for k in ("step_s", "step_onnxruntime_s", "step_loop_s"))
@@ -37,10 +39,26 @@ def table(results: dict) -> str:
             split = f"{row['step_s']['median'] * 1e3:.2f} (reads {row['step_bytes']['median'] / 1e6:.1f} MB)"
         lines.append(
             f"| {row['model']} | {row['batch']} | {row['system']} | {_fmt(row['decode_tokens_per_s'])} | "
-            f"{row['decode_vs_eager']['median']:.2f}x | {first} | {split} | "
+            f"{row['decode_vs_eager']['median']:.2f}x | {fp32} | {first} | {split} | "
             f"{row['peak_rss_mb']:.0f} |"
         )
     return "\n".join(lines)
+
+
+def quantized(results: dict) -> list[str]:
+    """Size and judged quality of each quantized artifact beside its fp32 one."""
+    lines = []
+    for row in results["compare"]:
+        quality = row.get("quality")
+        if row["batch"] != 1 or not quality:
+            continue
+        fp32 = _row(results, row["model"], 1, "runtime-dynamic")
+        lines.append(
+            f"- {row['model']}, {row['system']}: {row['model_mb']:.1f} MB (fp32 {fp32['model_mb']:.1f} MB), "
+            f"perplexity {quality['relative_perplexity_diff']:+.2%} against eager fp32, top-1 agreement "
+            f"{quality['top1_agreement']:.2%} ({quality['predicted_tokens']:,} held-out tokens)"
+        )
+    return lines
 
 
 def _step(results: dict, cache: str, length, attention: str, filled: int) -> float | None:
@@ -65,7 +83,10 @@ def targets(results: dict) -> list[str]:
             (
                 r
                 for r in results["compare"]
-                if r["model"] == model and r["batch"] == 1 and r["system"].startswith("runtime")
+                if r["model"] == model
+                and r["batch"] == 1
+                and r["system"].startswith("runtime")
+                and "int" not in r["system"]
             ),
             key=lambda r: r["decode_vs_eager"]["median"],
             default=None,
@@ -83,6 +104,15 @@ def targets(results: dict) -> list[str]:
             marks.append(
                 f"- {model}, batch 1: runtime decode at least {wanted:g}x eager: **{met}** "
                 f"({ratio:.2f}x, {best['system']}{bound})"
+            )
+    for system, wanted in QUANTIZED_SPEEDUP.items():
+        row = _row(results, "fox-small", 1, system)
+        if row is not None:
+            speedup = row["decode_vs_runtime_fp32"]
+            met = "met" if speedup["median"] >= wanted else "not met"
+            marks.append(
+                f"- fox-small, batch 1: {system} decode at least {wanted:g}x the fp32 runtime's: **{met}** "
+                f"({speedup['median']:.2f}x, {speedup['min']:.2f} to {speedup['max']:.2f} over the rounds)"
             )
     for row in results["compare"]:
         if row["model"] == "fox-small" and row["batch"] == 1 and "step_loop_s" in row:
@@ -115,8 +145,9 @@ def targets(results: dict) -> list[str]:
 
 
 def plots(results: dict, folder: Path) -> None:
-    figure, axes = plt.subplots(1, len({r["model"] for r in results["compare"]}), figsize=(11, 4), squeeze=False)
-    for axis, model in zip(axes[0], sorted({r["model"] for r in results["compare"]}), strict=True):
+    models = sorted({r["model"] for r in results["compare"]})
+    figure, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4.5), squeeze=False)
+    for axis, model in zip(axes[0], models, strict=True):
         rows = [r for r in results["compare"] if r["model"] == model]
         labels = [f"{r['system']}\nb{r['batch']}" for r in rows]
         axis.bar(range(len(rows)), [r["decode_tokens_per_s"]["median"] for r in rows], color="tab:blue")
@@ -153,14 +184,18 @@ def write_report(results: dict, folder: Path, readme: Path) -> str:
         [
             BEGIN,
             f"Run {machine['date']} on {machine['cpu']} ({machine['cores']} cores, {settings['threads']} threads), "
-            f"fp32, prompt {settings['prompt']}, {settings['new_tokens']} new tokens, median (min to max) of "
-            f"{settings['runs']} interleaved runs after {settings['warmup']} warm-up; static artifacts "
+            f"fp32 activations, prompt {settings['prompt']}, {settings['new_tokens']} new tokens, median (min to max) "
+            f"of {settings['runs']} interleaved runs after {settings['warmup']} warm-up; static artifacts "
             f"{settings['main_static_length']} long.",
             "",
             table(results),
             "",
             "Targets:",
             *targets(results),
+            "",
+            "Quantized artifacts (the default export with `--quantize`, judged at export on held-out text):",
+            "",
+            *quantized(results),
             "",
             "![decode tokens/s](results/tokens_per_s.png) ![step time](results/step_time.png)",
             END,

@@ -23,14 +23,19 @@ HERE = Path(__file__).resolve().parent
 ARTIFACTS = HERE / ".artifacts"
 RESULTS = HERE / "results"
 MAIN_STATIC_LENGTH = 512
-# Runtime systems: the artifact each runs, as (cache, max_cache_len, attention). "runtime-dynamic" and
-# "runtime-static" are what fp32 exports give by default (GroupQueryAttention); "-standard" the portable graph.
+# Runtime systems: the artifact each runs, as (cache, max_cache_len, attention, quantization). "runtime-dynamic"
+# and "runtime-static" are what fp32 exports give by default (GroupQueryAttention); "-standard" the portable
+# graph; "-int8" and "-int4" the default export quantized (`--quantize int8|int4`).
 RUNTIME_ARTIFACTS = {
-    "runtime-dynamic": ("dynamic", None, "gqa"),
-    "runtime-dynamic-standard": ("dynamic", None, "standard"),
-    "runtime-static": ("static", MAIN_STATIC_LENGTH, "gqa"),
-    "runtime-static-standard": ("static", MAIN_STATIC_LENGTH, "standard"),
+    "runtime-dynamic": ("dynamic", None, "gqa", None),
+    "runtime-dynamic-standard": ("dynamic", None, "standard", None),
+    "runtime-static": ("static", MAIN_STATIC_LENGTH, "gqa", None),
+    "runtime-static-standard": ("static", MAIN_STATIC_LENGTH, "standard", None),
+    "runtime-dynamic-int8": ("dynamic", None, "gqa", "int8"),
+    "runtime-dynamic-int4": ("dynamic", None, "gqa", "int4"),
+    "runtime-dynamic-int4-hqq": ("dynamic", None, "gqa", "int4-hqq"),  # float zero points: another kernel path
 }
+FP32_RUNTIME = "runtime-dynamic"  # what the quantized systems are compared with, round by round
 SYSTEMS = ("eager-dynamic", "eager-static", *RUNTIME_ARTIFACTS, "read-floor")
 SWEEP_FILLS = (64, 128, 200, 256, 512, 1024, 2000)
 SWEEP_ARTIFACTS = (("dynamic", None, "gqa"), ("dynamic", None, "standard"),
@@ -78,20 +83,38 @@ class Worker:
         return final
 
 
-def artifact(model: str, cache: str, length: int | None, attention: str) -> str:
-    """An exported artifact for the benchmark, made once and kept in bench/.artifacts."""
-    from exporters.export import ExportOptions, export_artifact
+def artifact(model: str, cache: str, length: int | None, attention: str, quantize: str | None = None) -> str:
+    """An exported artifact for the benchmark, made once and kept in bench/.artifacts. A quantized one
+    (`quantize` "int8", "int4" or "int4-hqq") is judged as any quantized export is, against the default
+    thresholds; a random-weight preset's on perplexity alone, as its top-1 ranking is noise."""
+    from exporters.evaluate import Thresholds
+    from exporters.export import QUALITY_THRESHOLDS, ExportOptions, QualityOptions, export_artifact
+    from exporters.quantize import BITS, Quantization
+    from kvg_export.presets import preset_folder
 
-    out = ARTIFACTS / "-".join([model, cache, *([str(length)] if length else []), attention])
+    parts = [model, cache, *([str(length)] if length else []), attention, *([quantize] if quantize else [])]
+    out = ARTIFACTS / "-".join(parts)
     if not (out / "kvg_config.json").is_file():
         print(f"exporting {out.name} ...", flush=True)
-        options = ExportOptions(model, out, cache, "fp32", length, force=True, attention=attention)
+        quantization, quality = None, QualityOptions()
+        if quantize:
+            bits, _, method = quantize.partition("-")
+            quantization = Quantization(BITS[bits], method=method or "rtn")
+            if "seed" in json.loads((preset_folder(model) / "preset.json").read_text()):  # random weights
+                quality.thresholds = Thresholds(QUALITY_THRESHOLDS[BITS[bits]].max_relative_perplexity_diff, 0.0)
+        options = ExportOptions(model, out, cache, "fp32", length, force=True, attention=attention,
+                                quantization=quantization, quality=quality)  # fmt: skip
         export_artifact(options, log=lambda _: None)
     return str(out)
 
 
 def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def ratio(runs: list[dict], baseline: list[dict]) -> dict:
+    """Decode speed over the baseline's, taken per interleaved round (both ran under the same load)."""
+    return spread([r["decode_tokens_per_s"] / b["decode_tokens_per_s"] for r, b in zip(runs, baseline, strict=True)])
 
 
 def compare(model: str, batches: list[int], args, threads: int) -> list[dict]:
@@ -109,20 +132,29 @@ def compare(model: str, batches: list[int], args, threads: int) -> list[dict]:
                     if index >= args.warmup:
                         runs[system].append(answer)
             for system in SYSTEMS:
-                eager = [r["decode_tokens_per_s"] for r in runs["eager-dynamic"]]
                 row = {"model": model, "batch": batch, "system": system}
                 for key in runs[system][0]:
                     if key != "peak_rss_mb":
                         row[key] = spread([r[key] for r in runs[system]])
-                ratios = [r["decode_tokens_per_s"] / e for r, e in zip(runs[system], eager, strict=True)]
-                row["decode_vs_eager"] = spread(ratios)  # per interleaved round, against the same round's eager
+                row["decode_vs_eager"] = ratio(runs[system], runs["eager-dynamic"])
+                if system in RUNTIME_ARTIFACTS:
+                    row["decode_vs_runtime_fp32"] = ratio(runs[system], runs[FP32_RUNTIME])
                 rows.append(row)
             print(f"{model} batch {batch}: done", flush=True)
     finally:
         peaks = {system: worker.close()["peak_rss_mb"] for system, worker in workers.items()}
     for row in rows:
         row["peak_rss_mb"] = peaks[row["system"]]
+        if row["system"] in RUNTIME_ARTIFACTS:
+            row |= describe_artifact(Path(targets[row["system"]]))
     return rows
+
+
+def describe_artifact(folder: Path) -> dict:
+    """Its size on disk and, for a quantized one, the quality its export was judged on."""
+    manifest = json.loads((folder / "kvg_config.json").read_text())
+    size = sum(path.stat().st_size for path in folder.glob("model.onnx*"))
+    return {"model_mb": size / 1e6, "quality": manifest["validation"].get("quality")}
 
 
 def sweep(model: str, threads: int, runs: int) -> list[dict]:
@@ -168,7 +200,7 @@ def machine() -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--models", nargs="+", default=["fox-tiny", "fox-small"])
+    parser.add_argument("--models", nargs="+", default=["fox-tiny", "fox-py", "fox-pro-py", "fox-small"])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)

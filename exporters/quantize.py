@@ -8,6 +8,8 @@ Activations, keys, values and gates keep their dtype. Which projections stay in 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -117,9 +119,22 @@ def _weight_nodes(model: onnx.ModelProto, quantization: Quantization) -> WeightN
     return nodes
 
 
-def _algorithm(quantization: Quantization, ops: tuple[str, ...]):
-    from onnxruntime.quantization import matmul_nbits_quantizer as nbits
+def _quantizer_module():
+    """onnxruntime's quantizer module, imported with the root logger kept as it was: the module calls
+    logging.basicConfig(level=INFO) when imported, which would print every library's notes from then on."""
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    from onnxruntime.quantization import matmul_nbits_quantizer
 
+    root.setLevel(level)
+    root.handlers[:] = handlers
+    for name in ("onnxruntime.quantization", "neural_compressor"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    return matmul_nbits_quantizer
+
+
+def _algorithm(quantization: Quantization, ops: tuple[str, ...]):
+    nbits = _quantizer_module()
     q = quantization
     if q.method == "rtn":  # onnxruntime's native round-to-nearest (its "default" algorithm)
         return nbits.DefaultWeightOnlyQuantConfig(
@@ -142,15 +157,12 @@ def _set_accuracy_level(model: onnx.ModelProto, level: int) -> None:
 
 def quantize_graph(source: Path, target: Path, quantization: Quantization) -> dict:
     """Write the quantized form of the graph at `source` to `target`; returns the manifest's record."""
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-
     model = onnx.load(str(source))
     nodes = _weight_nodes(model, quantization)
     if not any(name for name in nodes.quantized):
         raise QuantizationError("no weight is left to quantize: --keep-float keeps every projection in float")
     ops = ("MatMul",) if "embedding" in quantization.keep_float else ("MatMul", "Gather")
-    logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
-    quantizer = MatMulNBitsQuantizer(
+    quantizer = _quantizer_module().MatMulNBitsQuantizer(
         model, bits=quantization.bits, block_size=quantization.block_size, is_symmetric=quantization.symmetric,
         accuracy_level=quantization.accuracy_level, nodes_to_exclude=nodes.kept,
         algo_config=_algorithm(quantization, ops),
@@ -167,7 +179,8 @@ def quantize_graph(source: Path, target: Path, quantization: Quantization) -> di
         # by a zero scale for an all-zero block (the padding row) before choosing its own value there.
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         warnings.filterwarnings("ignore", message="invalid value encountered in divide", category=RuntimeWarning)
-        quantizer.process()
+        with contextlib.redirect_stdout(io.StringIO()):  # neural-compressor's methods draw a progress bar there
+            quantizer.process()
     quantized = quantizer.model.model if hasattr(quantizer.model, "model") else quantizer.model
     _set_accuracy_level(quantized, quantization.accuracy_level)
     external = quantized.ByteSize() > EXTERNAL_DATA_BYTES
