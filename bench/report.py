@@ -146,13 +146,25 @@ def targets(results: dict) -> list[str]:
 
 def plots(results: dict, folder: Path) -> None:
     models = sorted({r["model"] for r in results["compare"]})
-    figure, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4.5), squeeze=False)
-    for axis, model in zip(axes[0], models, strict=True):
-        rows = [r for r in results["compare"] if r["model"] == model]
-        labels = [f"{r['system']}\nb{r['batch']}" for r in rows]
-        axis.bar(range(len(rows)), [r["decode_tokens_per_s"]["median"] for r in rows], color="tab:blue")
-        axis.set_xticks(range(len(rows)), labels, rotation=60, fontsize=7)
-        axis.set_title(f"{model}: decode tokens/s (median)")
+    columns = min(2, len(models))
+    rows = -(-len(models) // columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(7 * columns, 4.2 * rows), squeeze=False)
+    for axis, model in zip(axes.flat, models, strict=False):
+        measured = [r for r in results["compare"] if r["model"] == model and r["system"] != "read-floor"]
+        systems = list(dict.fromkeys(r["system"] for r in measured))
+        batches = sorted({r["batch"] for r in measured})
+        height = 0.8 / len(batches)
+        for index, batch in enumerate(batches):
+            speeds = {r["system"]: r["decode_tokens_per_s"]["median"] for r in measured if r["batch"] == batch}
+            places = [i + index * height for i in range(len(systems))]
+            axis.barh(places, [speeds.get(system, 0) for system in systems], height, label=f"batch {batch}")
+        axis.set_yticks([i + 0.4 - height / 2 for i in range(len(systems))], systems, fontsize=8)
+        axis.invert_yaxis()
+        axis.set_xlabel("decode tokens/s (median)")
+        axis.set_title(model)
+        axis.legend(fontsize=8)
+    for axis in list(axes.flat)[len(models) :]:
+        axis.remove()
     figure.tight_layout()
     figure.savefig(folder / "tokens_per_s.png", dpi=110)
     plt.close(figure)

@@ -26,7 +26,8 @@ def _add_quantization(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--quantize", choices=tuple(quantize.BITS), help="quantize the weights of the graph's MatMuls")
     group.add_argument("--block-size", type=int, choices=quantize.BLOCK_SIZES, help="weights per scale (default 32)")
     group.add_argument("--quant-method", choices=quantize.METHODS,
-                       help="rtn (onnxruntime's round-to-nearest, default), hqq (int4) or k_quant")  # fmt: skip
+                       help="rtn (onnxruntime's round-to-nearest, default), hqq (int4; its float zero "
+                       "points run 10x slower on the CPU provider) or k_quant")  # fmt: skip
     group.add_argument("--accuracy-level", type=int, choices=range(5),
                        help="MatMulNBits compute: 0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8 (default 4)")  # fmt: skip
     roles, kept = ", ".join(quantize.FLOAT_ROLES), ",".join(quantize.DEFAULT_KEEP_FLOAT)

@@ -42,6 +42,13 @@ def run(model: ir.Model, x: np.ndarray) -> dict[str, np.ndarray]:
     return dict(zip([o.name for o in session.get_outputs()], session.run(None, {"x": x}), strict=True))
 
 
+def assert_every_product(model: ir.Model, weights: dict[str, np.ndarray], rng: np.random.Generator) -> None:
+    x = rng.standard_normal((2, 3, 8)).astype(np.float32)
+    got = run(model, x)
+    for name, weight in weights.items():
+        assert_products(got[name], x, weight)
+
+
 def test_projections_of_one_activation_become_one_matmul_with_the_same_products():
     rng = np.random.default_rng(0)
     weights = {name: rng.standard_normal((8, width)).astype(np.float32) for name, width in
@@ -51,10 +58,7 @@ def test_projections_of_one_activation_become_one_matmul_with_the_same_products(
     assert [n.op_type for n in model.graph].count("MatMul") == 1
     joined = "matmul_query+matmul_key+matmul_value+matmul_gate"
     assert set(model.graph.initializers) == {f"{joined}.joined_weight", f"{joined}.joined_widths"}
-    x = rng.standard_normal((2, 3, 8)).astype(np.float32)
-    got = run(model, x)
-    for name, weight in weights.items():
-        assert_products(got[name], x, weight)
+    assert_every_product(model, weights, rng)
 
 
 def test_a_projection_that_is_a_graph_output_is_left_alone():
@@ -64,21 +68,15 @@ def test_a_projection_that_is_a_graph_output_is_left_alone():
     assert fuse_projections(model.graph) == 1
     matmuls = [n for n in model.graph if n.op_type == "MatMul"]
     assert sorted(n.name for n in matmuls) == ["matmul_first+matmul_second", "matmul_kept"]
-    x = rng.standard_normal((2, 3, 8)).astype(np.float32)
-    got = run(model, x)
-    for name, weight in weights.items():
-        assert_products(got[name], x, weight)
+    assert_every_product(model, weights, rng)
 
 
 def test_a_projection_kept_apart_stays_its_own_matmul():
-    """A quantized export keeps the forget gate's projection in float, so it must not be joined."""
+    """A quantized export can keep the forget gate's projection in float, so it must not be joined then."""
     rng = np.random.default_rng(2)
     weights = {name: rng.standard_normal((8, 6)).astype(np.float32) for name in ("query", "key", "gate")}
     model = graph_with_projections(weights)
     assert fuse_projections(model.graph, keep_apart=lambda node: node.name == "matmul_gate") == 1
     matmuls = [n for n in model.graph if n.op_type == "MatMul"]
     assert sorted(n.name for n in matmuls) == ["matmul_gate", "matmul_query+matmul_key"]
-    x = rng.standard_normal((2, 3, 8)).astype(np.float32)
-    got = run(model, x)
-    for name, weight in weights.items():
-        assert_products(got[name], x, weight)
+    assert_every_product(model, weights, rng)

@@ -110,6 +110,7 @@ def test_an_export_that_misses_its_thresholds_exits_non_zero_and_loses_nothing(t
         (["--block-size", "64"], "--block-size applies to a quantized export: add --quantize int8|int4"),
         (["--quantize", "int8", "--quant-method", "hqq"], "hqq's int8 weights"),
         (["--quantize", "int4", "--keep-float", "fgate,norms"], "unknown role norms"),
+        (["--quantize", "int4", "--provider", "cuda"], "a quantized export is judged on onnxruntime's CPU provider"),
     ],
 )
 def test_quantization_flags_that_cannot_work_are_refused(tmp_path, capsys, args, message):
