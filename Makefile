@@ -28,7 +28,7 @@ EVAL_FLAGS ?=
 # onnxruntime-gpu, transformers, tokenizers and this repository on PYTHONPATH.
 GPU_PYTHON ?= python3
 
-.PHONY: setup test lint format clean export generate train eval gpu-check bench
+.PHONY: setup test lint format clean export generate train eval gpu-check bench profile
 
 setup: $(STAMP)
 
@@ -62,6 +62,11 @@ eval: setup $(if $(ARTIFACT),,$(OUT)/kvg_config.json)
 # Eager PyTorch against the runtime, side by side (see bench/README.md); BENCH_FLAGS e.g. "--runs 3".
 bench: setup
 	$(PY) bench/run.py $(BENCH_FLAGS)
+
+# onnxruntime's profiler on a decode: time and nodes per operator type (see bench/README.md); PROFILE_FLAGS e.g.
+# "--model fox-py --quantize fp32 int8"
+profile: setup
+	$(PY) bench/profile_ops.py $(PROFILE_FLAGS)
 
 gpu-check:
 	PYTHONPATH=.:$$PYTHONPATH $(GPU_PYTHON) -m pytest -q -m cuda tests

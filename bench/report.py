@@ -213,8 +213,13 @@ def write_report(results: dict, folder: Path, readme: Path) -> str:
             END,
         ]
     )
-    current = readme.read_text() if readme.is_file() else ""
-    pattern = re.compile(re.escape(BEGIN) + ".*" + re.escape(END), re.S)
-    updated = pattern.sub(lambda _: text, current) if BEGIN in current else current + "\n" + text + "\n"
-    readme.write_text(updated)
+    replace_section(readme, BEGIN, END, text)
     return text
+
+
+def replace_section(readme: Path, begin: str, end: str, text: str) -> None:
+    """Put `text` (which starts with `begin` and ends with `end`) where those markers are, or at the end."""
+    current = readme.read_text() if readme.is_file() else ""
+    pattern = re.compile(re.escape(begin) + ".*" + re.escape(end), re.S)
+    updated = pattern.sub(lambda _: text, current) if begin in current else current + "\n" + text + "\n"
+    readme.write_text(updated)

@@ -32,6 +32,7 @@ class SessionOptions:
     intra_op_threads: int = 0  # 0: onnxruntime's default
     optimization: str = "all"  # disable, basic, extended or all
     optimized_model_path: Path | None = None  # save the optimized graph here (and reuse it if it exists)
+    profile_prefix: str | None = None  # onnxruntime's profiler on, its trace written as <prefix>_<time>.json
 
 
 OPTIMIZATION_LEVELS = {
@@ -108,6 +109,8 @@ def open_session(folder: Path, manifest: dict, options: SessionOptions) -> ort.I
     settings = ort.SessionOptions()
     settings.graph_optimization_level = OPTIMIZATION_LEVELS[options.optimization]
     settings.intra_op_num_threads = options.intra_op_threads
+    if options.profile_prefix is not None:
+        settings.enable_profiling, settings.profile_file_prefix = True, options.profile_prefix
     model_path = folder / manifest["files"]["model"]
     if options.optimized_model_path is not None:
         if options.optimized_model_path.is_file():
