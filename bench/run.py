@@ -1,4 +1,5 @@
-"""`make bench`: eager PyTorch against the onnxruntime runtime, side by side in one run.
+"""`make bench`: eager PyTorch, the onnxruntime runtime and its peers (onnxruntime-genai and optimum-onnx on a
+same-size LLaMA), side by side in one run.
 
 Each system runs in its own worker process (bench/worker.py); runs are interleaved (A B C D A B C D ...)
 after a warm-up, and each figure is the median of the runs with its min and max. A sweep then times
@@ -36,7 +37,11 @@ RUNTIME_ARTIFACTS = {
     "runtime-dynamic-int4-hqq": ("dynamic", None, "gqa", "int4-hqq"),  # float zero points: another kernel path
 }
 FP32_RUNTIME = "runtime-dynamic"  # what the quantized systems are compared with, round by round
-SYSTEMS = ("eager-dynamic", "eager-static", *RUNTIME_ARTIFACTS, "read-floor")
+# The peers on a LLaMA of the same size (bench/peers.py), at batch 1: what each system is compared with is
+# onnxruntime-genai at the same weight precision.
+PEER_SYSTEMS = ("genai-fp32", "genai-int4", "optimum-fp32")
+SYSTEMS = ("eager-dynamic", "eager-static", *RUNTIME_ARTIFACTS, *PEER_SYSTEMS, "read-floor")
+WORKER_KINDS = ("runtime", "genai", "optimum")  # a system named <kind>-... runs that kind of worker
 SWEEP_FILLS = (64, 128, 200, 256, 512, 1024, 2000)
 SWEEP_ARTIFACTS = (("dynamic", None, "gqa"), ("dynamic", None, "standard"),
                    *(("static", n, "gqa") for n in (256, 1024, 2048)), ("static", 2048, "standard"))  # fmt: skip
@@ -45,11 +50,16 @@ QUIET_S = 0.03  # a worker that gains no CPU time for this long (3 clock ticks) 
 SETTLE_LIMIT_S = 2.0
 
 
+def precision(system: str) -> str | None:
+    """The weight precision a system runs at, where onnxruntime-genai has it (fp32 or int4)."""
+    return "int4" if "int4" in system else None if "int8" in system else "fp32"
+
+
 class Worker:
-    def __init__(self, system: str, target: str, threads: int):
-        kind = "runtime" if system.startswith("runtime") else system
+    def __init__(self, system: str, target: str, threads: int, python: str = sys.executable):
+        kind = next((kind for kind in WORKER_KINDS if system.startswith(kind)), system)
         self.process = subprocess.Popen(
-            [sys.executable, str(HERE / "worker.py"), kind, target, str(threads)],
+            [python, str(HERE / "worker.py"), kind, target, str(threads)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
 
@@ -118,20 +128,29 @@ def ratio(runs: list[dict], baseline: list[dict]) -> dict:
 
 
 def compare(model: str, batches: list[int], args, threads: int) -> list[dict]:
+    import peers
+
     targets = {"eager-dynamic": model, "eager-static": model, "read-floor": model}
     targets |= {system: artifact(model, *made) for system, made in RUNTIME_ARTIFACTS.items()}
-    workers = {system: Worker(system, targets[system], threads) for system in SYSTEMS}
+    systems = [system for system in SYSTEMS if args.peers or system not in PEER_SYSTEMS]
+    pythons = {system: sys.executable for system in systems}
+    if args.peers:
+        targets |= {f"genai-{p}": str(peers.genai_model(model, p, threads)) for p in peers.GENAI_PRECISIONS}
+        targets["optimum-fp32"] = str(peers.optimum_model(model, threads))
+        pythons |= dict.fromkeys(("genai-fp32", "genai-int4"), str(peers.genai_python()))
+    workers = {system: Worker(system, targets[system], threads, pythons[system]) for system in systems}
     rows = []
     try:
         for batch in batches:
-            runs = {system: [] for system in SYSTEMS}
+            running = [system for system in systems if batch == 1 or system not in PEER_SYSTEMS]
+            runs = {system: [] for system in running}
             request = {"batch": batch, "prompt": args.prompt, "new_tokens": args.new_tokens}
             for index in range(args.warmup + args.runs):
-                for system, worker in workers.items():
-                    answer = worker.ask(request)
+                for system in running:
+                    answer = workers[system].ask(request)
                     if index >= args.warmup:
                         runs[system].append(answer)
-            for system in SYSTEMS:
+            for system in running:
                 row = {"model": model, "batch": batch, "system": system}
                 for key in runs[system][0]:
                     if key != "peak_rss_mb":
@@ -139,6 +158,9 @@ def compare(model: str, batches: list[int], args, threads: int) -> list[dict]:
                 row["decode_vs_eager"] = ratio(runs[system], runs["eager-dynamic"])
                 if system in RUNTIME_ARTIFACTS:
                     row["decode_vs_runtime_fp32"] = ratio(runs[system], runs[FP32_RUNTIME])
+                genai = f"genai-{precision(system)}"
+                if genai in runs and not system.startswith("eager") and system != "read-floor":
+                    row["decode_vs_genai"] = ratio(runs[system], runs[genai])
                 rows.append(row)
             print(f"{model} batch {batch}: done", flush=True)
     finally:
@@ -200,13 +222,17 @@ def machine() -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--models", nargs="+", default=["fox-tiny", "fox-py", "fox-pro-py", "fox-small"])
+    parser.add_argument("--models", nargs="+", default=["fox-tiny", "fox-mini", "fox-py", "fox-pro-py", "fox-small"])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--sweep-model", default="fox-small")
+    parser.add_argument(
+        "--no-peers", dest="peers", action="store_false",
+        help="leave out onnxruntime-genai and optimum-onnx (which need environments of their own)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     threads = os.cpu_count()
     results = {

@@ -2,8 +2,10 @@
 
 Reads JSON requests on stdin, one per line, and answers each with one JSON line on stdout. Systems:
 `eager-dynamic` and `eager-static` (transformers generate() with the gated caches), `runtime`
-(the onnxruntime decode loop on an artifact folder) and `read-floor` (no model run: the time to read
-once the bytes a decode step must read, about the fastest any step can be where they outgrow the caches).
+(the onnxruntime decode loop on an artifact folder), `read-floor` (no model run: the time to read
+once the bytes a decode step must read, about the fastest any step can be where they outgrow the caches),
+and the peers on a same-size LLaMA (bench/peers.py): `genai` (onnxruntime-genai, run by the interpreter of
+its own environment) and `optimum` (optimum-onnx's ORTModelForCausalLM).
 """
 
 from __future__ import annotations
@@ -23,12 +25,30 @@ def prompts(vocab: int, batch: int, length: int) -> list[list[int]]:
 
 def eager_runner(model_name: str, cache: str, threads: int):
     import torch
-    from transformers.generation.streamers import BaseStreamer
 
     from kvg_export.presets import load_model
 
     torch.set_num_threads(threads)
-    model = load_model(model_name)
+    return generate_runner(load_model(model_name), {"cache_implementation": "static"} if cache == "static" else {})
+
+
+def optimum_runner(folder: str, threads: int):
+    """optimum-onnx's ORTModelForCausalLM on its export of a same-size LLaMA, with transformers' generate()."""
+    import onnxruntime as ort
+    import torch
+    from optimum.onnxruntime import ORTModelForCausalLM
+
+    torch.set_num_threads(threads)  # torch only processes the logits here
+    settings = ort.SessionOptions()
+    settings.intra_op_num_threads, settings.inter_op_num_threads = threads, 1
+    model = ORTModelForCausalLM.from_pretrained(folder, provider="CPUExecutionProvider", session_options=settings)
+    return generate_runner(model, {})
+
+
+def generate_runner(model, options: dict):
+    """Time transformers' generate() on `model`: the first token, then the decode."""
+    import torch
+    from transformers.generation.streamers import BaseStreamer
 
     class FirstToken(BaseStreamer):
         """generate() hands the streamer the prompt first, then each new token: the second call is the first token."""
@@ -47,7 +67,6 @@ def eager_runner(model_name: str, cache: str, threads: int):
     def run(batch: int, prompt: int, new_tokens: int) -> dict:
         ids = torch.tensor(prompts(model.config.vocab_size, batch, prompt))
         streamer = FirstToken()
-        options = {"cache_implementation": "static"} if cache == "static" else {}
         start = time.perf_counter()
         with torch.no_grad():
             model.generate(
@@ -56,6 +75,36 @@ def eager_runner(model_name: str, cache: str, threads: int):
             )  # fmt: skip
         end = time.perf_counter()
         return {"ttft_s": streamer.at - start, "decode_tokens_per_s": batch * (new_tokens - 1) / (end - streamer.at)}
+
+    return run
+
+
+def genai_runner(folder: str, threads: int):
+    """onnxruntime-genai's own generator loop on its model builder's output (threads set at build time)."""
+    import onnxruntime_genai as og
+
+    model = og.Model(folder)
+    with open(f"{folder}/genai_config.json") as config:
+        vocab = json.load(config)["model"]["vocab_size"]
+
+    def run(batch: int, prompt: int, new_tokens: int) -> dict:
+        if batch != 1:
+            raise ValueError("the onnxruntime-genai peer runs batch 1 only")
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=prompt + new_tokens, min_length=prompt + new_tokens, do_sample=False)
+        start = time.perf_counter()
+        generator = og.Generator(model, params)
+        generator.append_tokens(np.array(prompts(vocab, 1, prompt), dtype=np.int32))
+        generator.generate_next_token()
+        first = time.perf_counter()
+        produced = 1
+        while not generator.is_done():
+            generator.generate_next_token()
+            produced += 1
+        end = time.perf_counter()
+        if produced != new_tokens:
+            raise RuntimeError(f"onnxruntime-genai produced {produced} tokens, not {new_tokens}")
+        return {"ttft_s": first - start, "decode_tokens_per_s": (new_tokens - 1) / (end - first)}
 
     return run
 
@@ -125,6 +174,10 @@ def main() -> int:
         run = runtime_runner(target, threads)
     elif system == "read-floor":
         run = read_floor_runner(target, threads)
+    elif system == "genai":
+        run = genai_runner(target, threads)
+    elif system == "optimum":
+        run = optimum_runner(target, threads)
     else:
         run = eager_runner(target, system.split("-")[1], threads)
     for line in sys.stdin:

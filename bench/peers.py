@@ -1,0 +1,100 @@
+"""The peers `make bench` compares the runtime with: what a user would deploy instead, on a LLaMA of the same
+size as the FoX model (hidden size, layers, heads, MLP width, vocabulary), random weights from a fixed seed.
+
+- onnxruntime-genai (fp32 and int4, its model builder's CPU recipes) runs in a virtual environment of its
+  own, `bench/.peers/venv`: its wheel pulls the CPU `onnxruntime` package, which cannot share a site with
+  `onnxruntime-gpu`. Its model builder (0.18) imports classes that only transformers 5 has, while
+  optimum-onnx needs transformers < 4.58, so the one-time conversion runs in a third environment,
+  `bench/.peers/venv-ogbuild`.
+- optimum-onnx's ORTModelForCausalLM (fp32) runs in the project's own environment, exported by its
+  `optimum-cli export onnx --task text-generation-with-past`.
+
+Everything is made once under bench/.peers/ (git-ignored) and reused.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PEERS = HERE / ".peers"
+RUNTIME_VENV, BUILDER_VENV = PEERS / "venv", PEERS / "venv-ogbuild"
+RUNTIME_PACKAGES = ("onnxruntime==1.31.1", "onnxruntime-genai==0.18.0", "numpy>=1.26")
+BUILDER_PACKAGES = ("torch==2.13.0+cpu", "transformers==5.24.0", "onnxruntime==1.31.1", "onnxruntime-genai==0.18.0",
+                    "onnx_ir==1.1.0", "onnx==1.23.2")  # fmt: skip
+GENAI_PRECISIONS = ("fp32", "int4")
+
+
+def _venv(folder: Path, packages: tuple[str, ...]) -> Path:
+    python = folder / "bin" / "python"
+    stamp = folder / ".ready"
+    if not stamp.is_file() or stamp.read_text() != "\n".join(packages):
+        print(f"building {folder.relative_to(HERE.parent)} (once) ...", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(folder)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "--quiet", *packages], check=True)
+        stamp.write_text("\n".join(packages))
+    return python
+
+
+def genai_python() -> Path:
+    """The interpreter that runs onnxruntime-genai."""
+    return _venv(RUNTIME_VENV, RUNTIME_PACKAGES)
+
+
+def _llama(model: str) -> Path:
+    """A random-init LlamaForCausalLM of the FoX model's size, with the FoX model's tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from kvg_export.presets import load_model, resolve_checkpoint
+
+    folder = PEERS / model / "hf"
+    if (folder / "model.safetensors").is_file():
+        return folder
+    import torch
+
+    fox = load_model(model).config
+    config = LlamaConfig(
+        hidden_size=fox.hidden_size, num_hidden_layers=fox.num_hidden_layers, num_attention_heads=fox.num_heads,
+        num_key_value_heads=fox.kv_heads, intermediate_size=fox.intermediate_size, vocab_size=fox.vocab_size,
+        max_position_embeddings=4096, bos_token_id=fox.bos_token_id, eos_token_id=fox.eos_token_id,
+        pad_token_id=fox.pad_token_id, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(resolve_checkpoint(model) / "tokenizer.json"))
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def genai_model(model: str, precision: str, threads: int) -> Path:
+    """onnxruntime-genai's model builder output for the LLaMA of `model`'s size, made once."""
+    out = PEERS / model / f"genai-{precision}"
+    if not (out / "genai_config.json").is_file():
+        hf = _llama(model)
+        python = _venv(BUILDER_VENV, BUILDER_PACKAGES)
+        options = {"model": {"decoder": {"session_options": {"intra_op_num_threads": threads,
+                                                             "inter_op_num_threads": 1}}}}  # fmt: skip
+        print(f"building {out.relative_to(HERE)} ...", flush=True)
+        subprocess.run(
+            [str(python), "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out), "-p", precision,
+             "-e", "cpu", "-c", str(PEERS / "builder-cache"), "--runtime_config", json.dumps(options)],
+            check=True, cwd=PEERS, stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+    return out
+
+
+def optimum_model(model: str, threads: int) -> Path:
+    """optimum-onnx's export of the LLaMA of `model`'s size (text-generation-with-past), made once."""
+    out = PEERS / model / "optimum"
+    if not (out / "model.onnx").is_file():
+        hf = _llama(model)
+        print(f"exporting {out.relative_to(HERE)} ...", flush=True)
+        cli = Path(sys.executable).parent / "optimum-cli"
+        subprocess.run(
+            [str(cli), "export", "onnx", "--model", str(hf), "--task", "text-generation-with-past", str(out)],
+            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+    return out
