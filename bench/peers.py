@@ -39,6 +39,14 @@ def _venv(folder: Path, packages: tuple[str, ...]) -> Path:
     return python
 
 
+def _quietly(command: list[str], cwd: Path | None = None) -> None:
+    """Run a conversion step; its output is shown only if it fails."""
+    done = subprocess.run(command, cwd=cwd, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.stderr.write(done.stdout[-4000:] + done.stderr[-4000:])
+        raise RuntimeError(f"{' '.join(command[:4])} ... failed (exit {done.returncode}); its output is above")
+
+
 def genai_python() -> Path:
     """The interpreter that runs onnxruntime-genai."""
     return _venv(RUNTIME_VENV, RUNTIME_PACKAGES)
@@ -78,11 +86,9 @@ def genai_model(model: str, precision: str, threads: int) -> Path:
         options = {"model": {"decoder": {"session_options": {"intra_op_num_threads": threads,
                                                              "inter_op_num_threads": 1}}}}  # fmt: skip
         print(f"building {out.relative_to(HERE)} ...", flush=True)
-        subprocess.run(
-            [str(python), "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out), "-p", precision,
-             "-e", "cpu", "-c", str(PEERS / "builder-cache"), "--runtime_config", json.dumps(options)],
-            check=True, cwd=PEERS, stdout=subprocess.DEVNULL,
-        )  # fmt: skip
+        _quietly([str(python), "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out), "-p",
+                  precision, "-e", "cpu", "-c", str(PEERS / "builder-cache"), "--runtime_config", json.dumps(options)],
+                 cwd=PEERS)  # fmt: skip
     return out
 
 
@@ -93,8 +99,5 @@ def optimum_model(model: str, threads: int) -> Path:
         hf = _llama(model)
         print(f"exporting {out.relative_to(HERE)} ...", flush=True)
         cli = Path(sys.executable).parent / "optimum-cli"
-        subprocess.run(
-            [str(cli), "export", "onnx", "--model", str(hf), "--task", "text-generation-with-past", str(out)],
-            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+        _quietly([str(cli), "export", "onnx", "--model", str(hf), "--task", "text-generation-with-past", str(out)])
     return out

@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import matplotlib
+import matplotlib.ticker
 from run import precision
 
 matplotlib.use("Agg")
@@ -174,6 +175,7 @@ def plots(results: dict, folder: Path) -> None:
         axis.set_yticks([i + 0.4 - height / 2 for i in range(len(systems))], systems, fontsize=8)
         axis.invert_yaxis()
         axis.set_xscale("log")
+        axis.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # decades only: minor labels collide
         axis.set_xlabel("decode tokens/s (median, log scale)")
         axis.set_title(model)
         axis.legend(fontsize=8)
