@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from exporters.validate import DECODE_STEPS, PADDING, PROMPT_LENGTH, TOLERANCES
+from exporters.validate import DECODE_STEPS, PROMPT_LENGTH, TOLERANCES, validation_prompt
 from runtime.artifact import NUMPY_DTYPES, SessionOptions
 from runtime.generator import GenerationConfig, Generator
 
@@ -43,18 +43,13 @@ def check_cache(folder: Path, batch: int = 2) -> CacheCheck:
     generator = Generator.open(folder, SessionOptions(provider="cpu"))
     manifest, session = generator.artifact.manifest, generator.artifact.session
     static = generator.artifact.static
-    rng = np.random.default_rng(0)
-    prompts = rng.integers(3, manifest["model"]["vocab_size"], (batch, PROMPT_LENGTH)).tolist()
-    prompts[0] = prompts[0][PADDING:] if batch > 1 else prompts[0]
+    ids, mask = (t.numpy() for t in validation_prompt(manifest["model"]["vocab_size"], batch, generator.pad))
+    prompts = [row[kept == 1].tolist() for row, kept in zip(ids, mask, strict=True)]  # the runtime pads them again
     no_stop = GenerationConfig(DECODE_STEPS + 1, min_new_tokens=DECODE_STEPS + 1)  # every row runs every step
     result = generator.generate(prompts, no_stop, keep_logits=True)
     tolerance = TOLERANCES[manifest["dtype"]]
     check = CacheCheck(batch, PROMPT_LENGTH, DECODE_STEPS, 0, 0.0, tolerance)
 
-    ids = np.full((batch, PROMPT_LENGTH), generator.pad, dtype=np.int64)
-    mask = np.ones((batch, PROMPT_LENGTH), dtype=np.int64)
-    for row, prompt in enumerate(prompts):
-        ids[row, PROMPT_LENGTH - len(prompt) :], mask[row, : PROMPT_LENGTH - len(prompt)] = prompt, 0
     pasts = {
         entry["name"]: np.zeros([batch if a == "batch" else 0 if a == "past" else a for a in entry["axes"]],
                                 dtype=NUMPY_DTYPES[entry["dtype"]])

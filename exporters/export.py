@@ -237,8 +237,8 @@ def _build(options: ExportOptions, staging: Path, log: Callable[[str], None]) ->
         )  # fmt: skip
         shutil.rmtree(float_folder)
         _check(staging / "model.onnx", manifest, options.opset)
-        (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
-        result.cache_check, result.quality = _judge_quantized(options, staging, log)
+        (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")  # the runtime opens it to judge
+        result.cache_check, result.quality = _judge_quantized(options, staging, manifest["model"]["vocab_size"], log)
         manifest["validation"] |= {"quality": _quality_summary(result.quality)}
         reports |= {"quantization": manifest["quantization"], "cache_check": result.cache_check.to_json(),
                     "quality": result.quality.to_json()}  # fmt: skip
@@ -270,7 +270,7 @@ def _quantize(float_folder: Path, staging: Path, quantization: Quantization) -> 
 
 
 def _judge_quantized(
-    options: ExportOptions, staging: Path, log: Callable[[str], None]
+    options: ExportOptions, staging: Path, vocab: int, log: Callable[[str], None]
 ) -> tuple[CacheCheck, Evaluation]:
     """The cache checks, then held-out text through eager fp32 and the artifact; raise ExportError on a miss."""
     cache = _stage(
@@ -294,7 +294,6 @@ def _judge_quantized(
     evaluation.artifact.name = str(options.out)  # where it is published, not the staging folder it was judged in
     log(evaluation.table())
     if evaluation.failures:
-        vocab = json.loads((staging / MANIFEST_NAME).read_text())["model"]["vocab_size"]
         untrained = evaluation.eager.perplexity > vocab / UNLEARNED_SHARE
         raise ExportError(
             f"the {options.quantization.name} artifact misses its quality thresholds: "
