@@ -192,8 +192,8 @@ def _build(options: ExportOptions, staging: Path, log: Callable[[str], None]) ->
     keep_apart = quantization.keeps if quantization else lambda module: False
     _stage(
         log, "lower", lambda: lower_to_onnx(program, example, layout, model_path, options.opset, external, keep_apart),
-        lambda joined: f"ONNX opset {options.opset}, {joined} fewer MatMuls (projections joined)"
-        + (", weights as external data" if external else ""),
+        lambda fused: f"ONNX opset {options.opset}, {fused[0]} fewer MatMuls (projections joined), "
+        f"{fused[1]} residual adds joined with their norms" + (", weights as external data" if external else ""),
     )  # fmt: skip
     files = {name: name for name in COPIED_FILES if (checkpoint / name).is_file()}
     manifest = build_manifest(

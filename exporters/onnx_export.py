@@ -17,6 +17,7 @@ import torch
 from torch.export import Dim, ExportedProgram
 
 from exporters.contract import CacheLayout, cache_shape
+from exporters.fuse_norms import fuse_residual_norms
 from exporters.fuse_projections import fuse_projections
 from exporters.translations import TRANSLATIONS
 from exporters.wrappers import ExportableFox
@@ -116,10 +117,10 @@ def name_by_module(graph: ir.Graph) -> None:
 def lower_to_onnx(
     program: ExportedProgram, example: tuple, layout: CacheLayout, path: Path, opset: int, external_data: bool,
     keep_apart: Callable[[str], bool] = lambda module: False,
-) -> int:  # fmt: skip
+) -> tuple[int, int]:  # fmt: skip
     """Write `path`: the ONNX graph with contract names and named axes, weights beside it if `external_data`;
     returns how many projections were joined into others (see `fuse_projections`; modules `keep_apart` names
-    are not joined)."""
+    are not joined) and how many residual adds into the norms after them (see `fuse_norms`)."""
     # Quiet the exporter's notes that concern other libraries (torchvision ops, a pytree deprecation in torch).
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
     with warnings.catch_warnings():
@@ -141,5 +142,6 @@ def lower_to_onnx(
         value.shape = ir.Shape([name or dim for name, dim in zip(axes, value.shape, strict=True)])
     name_by_module(graph)
     joined = fuse_projections(graph, lambda node: keep_apart(node.name))
+    norms = fuse_residual_norms(onnx_program.model)
     onnx_program.save(str(path), external_data=external_data)
-    return joined
+    return joined, norms

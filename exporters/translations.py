@@ -1,6 +1,7 @@
 """Custom ONNX lowerings for the exporter: ops that torch.onnx would otherwise spell out node by node.
 
 - `aten.softplus` becomes one ONNX Softplus.
+- `kvg::decay_after` (kvg_export/fox/attention.py) becomes one CumSum that sums from the end.
 - `kvg::group_query_attention` (kvg_export/fox/in_place_attention.py) becomes onnxruntime's
   com.microsoft GroupQueryAttention, whose past and present the runtime binds to one cache buffer.
 """
@@ -13,6 +14,7 @@ from onnxscript import INT32
 from onnxscript import opset18 as op
 from onnxscript.values import Op, Opset
 
+import kvg_export.fox.attention  # registers kvg::decay_after
 import kvg_export.fox.in_place_attention  # noqa: F401  (registers kvg::group_query_attention)
 
 
@@ -24,6 +26,11 @@ def lower_softplus(x, beta: float = 1.0, threshold: float = 20.0):
         return op.Softplus(x)
     scale = op.CastLike(beta, x)
     return op.Div(op.Softplus(op.Mul(x, scale)), scale)
+
+
+def lower_decay_after(log_gates):
+    """kvg::decay_after as one CumSum that sums from the end and leaves each position's own term out."""
+    return op.CumSum(log_gates, op.Constant(value_int=-1), exclusive=1, reverse=1)
 
 
 def _group_query_attention_schema() -> OpSchema:
@@ -79,4 +86,5 @@ def lower_group_query_attention(
 TRANSLATIONS = {
     torch.ops.aten.softplus.default: lower_softplus,
     torch.ops.kvg.group_query_attention.default: lower_group_query_attention,
+    torch.ops.kvg.decay_after.default: lower_decay_after,
 }

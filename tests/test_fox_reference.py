@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from fox_reference import fox_reference_logits
 
 from kvg_export import DynamicCache, FoxConfig, FoxForCausalLM, StaticCache
+from kvg_export.fox.attention import decay_after
 from kvg_export.fox.modeling import attention_pattern
 
 SIZES = {
@@ -257,8 +258,9 @@ def test_extreme_gates(option, key, value):
     with torch.no_grad():
         logits = model(ids, use_cache=False).logits
     assert_matches(logits[0], expected, f"{option} bias {value} prefill")
-    for kind in ("dynamic", "static"):
-        logits = prefill_then_decode(model, ids, None, make_cache(kind, model))
+    for kind in ("dynamic", "static", "dynamic-in-place", "static-in-place"):
+        cache = make_cache(kind, model)
+        logits = prefill_then_decode(model, ids, None, cache, in_place=kind.endswith("in-place"))
         assert_matches(logits[0], expected, f"{option} bias {value} {kind} prefill+decode")
     ids, mask = padded_batch(3)
     logits = prefill_then_decode(model, ids, mask, DynamicCache())
@@ -294,3 +296,10 @@ def test_a_padding_query_attends_its_own_slot_and_nothing_else():
             real = [key for key in range(5) if mask[row, key] and key <= query]
             want = real if mask[row, query] else [query]
             assert allowed[row, 0, query].nonzero().flatten().tolist() == want
+
+
+def test_decay_after_sums_the_gates_after_each_position():
+    """decay_after[j] = sum of log_gates[l] for l > j (0 at the last position), against float64 sums."""
+    log_gates = -torch.rand(2, 3, 17) * 5
+    naive = torch.stack([log_gates.double()[..., j + 1 :].sum(-1) for j in range(17)], dim=-1)
+    torch.testing.assert_close(decay_after(log_gates).double(), naive, rtol=0, atol=17 * 5 * 2e-7)

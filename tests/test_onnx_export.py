@@ -205,3 +205,27 @@ def test_each_activation_is_projected_by_one_matmul(exported):
     weights = {i.name for i in graph.initializer}
     activations = [n.input[0] for n in graph.node if n.op_type == "MatMul" and n.input[1] in weights]
     assert len(activations) == len(set(activations)) == 4 * model.config.num_hidden_layers + 1
+
+
+def test_every_residual_add_is_joined_with_the_norm_after_it(exported):
+    """Each block's two residual sums reach the next norm through one SkipSimplifiedLayerNormalization, and no
+    norm is left reading an Add; the embedding's norm, which no add feeds, is left for onnxruntime to fuse."""
+    model, _, path = exported
+    nodes = onnx.load(str(path)).graph.node
+    producer = {output: node for node in nodes for output in node.output}
+    skips = [n for n in nodes if n.op_type == "SkipSimplifiedLayerNormalization"]
+    assert len(skips) == 2 * model.config.num_hidden_layers and all(n.domain == "com.microsoft" for n in skips)
+    squared = [producer.get(n.input[0]) for n in nodes if n.op_type == "Pow"]
+    assert not [p for p in squared if p is not None and p.op_type == "Add"]
+
+
+def test_gqa_gate_decay_is_one_cumsum_a_layer_summing_from_the_end(exported):
+    """In float32 the in-place attention's bias is c_last - c_j: one reverse, exclusive CumSum a layer and no
+    per-query Gather or Sub of gate sums."""
+    model, _, path = exported
+    if not uses_group_query_attention(path):
+        pytest.skip("the standard graph attends with c_i - c_j")
+    cumsums = [n for n in onnx.load(str(path)).graph.node if n.op_type == "CumSum"]
+    decays = [n for n in cumsums if {a.name: a.i for a in n.attribute} == {"reverse": 1, "exclusive": 1}]
+    assert len(decays) == model.config.num_hidden_layers
+    assert len(cumsums) - len(decays) == model.config.use_rope  # RoPE's positions count the mask's tokens

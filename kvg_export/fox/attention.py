@@ -7,11 +7,19 @@ The gate term is an additive bias (`gate_bias`), so any attention kernel that ta
 the eager path below, or onnxruntime's GroupQueryAttention (see `in_place_attention.py`). Scores,
 gate sums and the softmax are float32 whatever the model dtype, so masks and extreme gates stay finite
 in fp16 and bf16.
+
+Softmax ignores a term that is the same for every key of a query, so c_i - c_j may be replaced by
+c_last - c_j, the sum of the gates after key j (`decay_after`): one row for every query of a step,
+which the exporter lowers to one CumSum node where c_i - c_j takes five. The in-place attention does so
+in float32; in fp16 and bf16, where the bias reaches the kernel in the model's dtype, the term c_last - c_i
+of an early query in a long prompt would be rounded into its every score (or overflow), so there the
+row is shifted back to c_i - c_j, which is 0 at the query's own key.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def gate_bias(log_gates: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
@@ -19,6 +27,19 @@ def gate_bias(log_gates: torch.Tensor, query_positions: torch.Tensor) -> torch.T
     query_positions `[seq]`, each query's slot in the cache."""
     decay = torch.cumsum(log_gates.float(), dim=-1)  # [batch, heads, kv_len]
     return decay.index_select(-1, query_positions).unsqueeze(-1) - decay.unsqueeze(-2)
+
+
+@torch.library.custom_op("kvg::decay_after", mutates_args=())
+def decay_after(log_gates: torch.Tensor) -> torch.Tensor:
+    """sum_{l>j} log_gates[..., l] for every j, float32 in and out: onnxruntime's CumSum with `exclusive`
+    and `reverse`, which the exporter lowers it to, summing from the end as here."""
+    after = log_gates[..., 1:].flip(-1).cumsum(-1).flip(-1)
+    return F.pad(after, (0, 1))
+
+
+@decay_after.register_fake
+def _(log_gates):
+    return torch.empty_like(log_gates)
 
 
 def forgetting_attention(

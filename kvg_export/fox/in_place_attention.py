@@ -33,7 +33,7 @@ def group_query_attention(
     kv_heads: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """query `[batch, seq, heads*head_dim]`; key, value `[batch, seq, kv_heads*head_dim]`; key_cache,
-    value_cache `[batch, kv_heads, past, head_dim]`; bias `[batch, heads, seq, window]` float32, added to
+    value_cache `[batch, kv_heads, past, head_dim]`; bias `[batch, heads, seq or 1, window]` float32, added to
     the scaled scores where `allowed` `[batch, 1, seq, window]` is true (the other scores become float32's
     minimum; every query must be allowed some key); cache_position `[seq]`, the consecutive slots inside the
     window that the new keys and values go to.

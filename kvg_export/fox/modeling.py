@@ -19,7 +19,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 
 from kvg_export.cache import DynamicCache, GatedCache, StaticCache
 from kvg_export.cache_layers import SHIFT_FIELDS, is_tracing
-from kvg_export.fox.attention import forgetting_attention, gate_bias
+from kvg_export.fox.attention import decay_after, forgetting_attention
 from kvg_export.fox.configuration import FoxConfig
 from kvg_export.fox.in_place_attention import group_query_attention
 from kvg_export.fox.layers import QK_NORM_EPS, GatedMLP, HeadRMSNorm, RMSNorm, ShiftLinear, rotate
@@ -168,7 +168,10 @@ class ForgettingAttention(nn.Module):
         key_cache, value_cache, gates = cache.update_gates(
             *per_head, log_gates, self.layer_idx, {"cache_position": cache_position, "window": window}
         )
-        bias = gate_bias(gates[..., :window], cache_position)
+        decay = decay_after(gates[..., :window])  # c_last - c_j
+        bias = decay.unsqueeze(2)  # one row for every query: softmax ignores each row's c_last - c_i
+        if query.dtype != torch.float32:  # where fp16 or bf16 would round that constant into every score
+            bias = bias - decay.index_select(-1, cache_position).unsqueeze(-1)  # c_i - c_j
         if allowed.shape[0] != batch:  # a pattern without a mask is shared by the rows; the op takes one per row
             allowed = allowed.expand(batch, -1, -1, -1)
         out, key_cache, value_cache = group_query_attention(
