@@ -34,9 +34,10 @@ def group_query_attention(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """query `[batch, seq, heads*head_dim]`; key, value `[batch, seq, kv_heads*head_dim]`; key_cache,
     value_cache `[batch, kv_heads, past, head_dim]`; bias `[batch, heads, seq or 1, window]` float32, added to
-    the scaled scores where `allowed` `[batch, 1, seq, window]` is true (the other scores become float32's
-    minimum; every query must be allowed some key); cache_position `[seq]`, the consecutive slots inside the
-    window that the new keys and values go to.
+    the scaled scores where `allowed` `[batch, 1, seq, window]` is true and the key's slot is not after the
+    query's (the other scores become float32's minimum; every query must be allowed some key);
+    cache_position `[seq]`, the consecutive slots inside the window that the new keys and values go to.
+    Like GroupQueryAttention, the op masks the later slots itself, so `allowed` need not.
 
     Returns the attention output `[batch, seq, heads*head_dim]` and the updated caches, `max(past,
     window)` long, whose slots after the window are zero, as onnxruntime leaves them when past and
@@ -53,7 +54,8 @@ def group_query_attention(
         grown[:, :, start : start + seq] = new.view(batch, seq, kv_heads, head_dim).transpose(1, 2)
         caches.append(grown)
     queries = query.view(batch, seq, heads, head_dim).transpose(1, 2)
-    mask = torch.where(allowed, bias, torch.finfo(torch.float32).min).to(query.dtype)
+    earlier = torch.arange(window, device=query.device) <= cache_position.unsqueeze(-1)  # [seq, window]
+    mask = torch.where(allowed & earlier, bias, torch.finfo(torch.float32).min).to(query.dtype)
     out = F.scaled_dot_product_attention(
         queries, caches[0][:, :, :window], caches[1][:, :, :window], attn_mask=mask, enable_gqa=True
     )

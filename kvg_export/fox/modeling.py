@@ -233,13 +233,15 @@ class FoxPreTrainedModel(PreTrainedModel):
 
 
 def attention_pattern(
-    attention_mask: torch.Tensor | None, cache_position: torch.Tensor, kv_length: int, batch: int, windowed: bool
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    attention_mask: torch.Tensor | None, cache_position: torch.Tensor, kv_length: int, batch: int, windowed: bool,
+    causal: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:  # fmt: skip
     """RoPE positions `[batch, seq]`, new-token flags `[batch, seq]` (None without a mask) and the attention
     pattern `[batch or 1, 1, seq, window]`: true where a query may attend a key slot, a real token at or
     before the query's own slot, or that slot itself (so a padding query attends itself alone rather than
     nothing, and no kernel meets a row with every key masked). Built once per forward and shared by
-    every layer.
+    every layer. Without `causal` the pattern leaves out "at or before the query's slot", for a kernel
+    that masks the later slots itself (GroupQueryAttention), which spares the exported graph its nodes.
 
     `attention_mask` `[batch, filled]` marks real tokens (0 = padding). A `windowed` (static) cache is
     attended over the mask's length only, so a step's cost follows the filled length, not the buffer's;
@@ -260,13 +262,14 @@ def attention_pattern(
             attention_mask = F.pad(attention_mask, (0, kv_length - length))
     window = kv_length if attention_mask is None else attention_mask.shape[-1]
     slots = torch.arange(window, device=cache_position.device)
-    causal = (slots.unsqueeze(0) <= cache_position.unsqueeze(-1))[None, None]
+    earlier = (slots.unsqueeze(0) <= cache_position.unsqueeze(-1))[None, None]
     if attention_mask is None:
-        return cache_position.unsqueeze(0).expand(batch, -1), None, causal
+        return cache_position.unsqueeze(0).expand(batch, -1), None, earlier if causal else torch.ones_like(earlier)
     key_mask = attention_mask.bool()
     positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0).index_select(-1, cache_position)
     own = (slots.unsqueeze(0) == cache_position.unsqueeze(-1))[None, None]
-    return positions, key_mask.index_select(-1, cache_position), causal & (key_mask[:, None, None, :] | own)
+    allowed = key_mask[:, None, None, :] | own
+    return positions, key_mask.index_select(-1, cache_position), earlier & allowed if causal else allowed
 
 
 class FoxModel(FoxPreTrainedModel):
@@ -312,7 +315,9 @@ class FoxModel(FoxPreTrainedModel):
             cache_position = torch.arange(past, past + seq, device=hidden.device)
         kv_length = cache.get_mask_sizes(cache_position)[0] if cache is not None else seq
         windowed = isinstance(cache, StaticCache) or in_place_attention
-        positions, keep, allowed = attention_pattern(attention_mask, cache_position, kv_length, batch, windowed)
+        positions, keep, allowed = attention_pattern(
+            attention_mask, cache_position, kv_length, batch, windowed, causal=not in_place_attention
+        )
         for block in self.layers:
             hidden = block(hidden, positions, cache_position, keep, allowed, cache, in_place_attention)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden), past_key_values=cache)
