@@ -64,7 +64,7 @@ bench: setup
 	$(PY) bench/run.py $(BENCH_FLAGS)
 
 # onnxruntime's profiler on a decode: time and nodes per operator type (see bench/README.md); PROFILE_FLAGS e.g.
-# "--model fox-py --quantize fp32 int8"
+# "--models fox-py --quantize fp32 int8", "--no-peers"
 profile: setup
 	$(PY) bench/profile_ops.py $(PROFILE_FLAGS)
 

@@ -1,12 +1,15 @@
 """`make profile`: where a decode step's time goes, per operator type, from onnxruntime's own profiler.
 
-For each artifact (by default fox-small's default export in fp32 and quantized to int4), the runtime
-generates twice with the profiler on (batch 1, a 128-token prompt, `--new-tokens` new ones); the second
-generation's decode runs are kept, each node event of the trace is assigned to the session run it falls
-in, and each operator type's time and node count per decode step are summed. The graph onnxruntime
-optimized and ran is saved too, and its nodes counted. The profiler times every node, which slows a
-step, so read the shares rather than the absolute times. Writes results/profile.json and the tables
-between the profile markers of bench/README.md.
+For each artifact (by default the default export of fox-small and fox-mini, in fp32 and quantized to
+int4), the runtime generates twice with the profiler on (batch 1, a 128-token prompt, `--new-tokens` new
+ones); the second generation's decode runs are kept, each node event of the trace is assigned to the
+session run it falls in, and each operator type's time and node count per decode step are summed. The
+graph onnxruntime optimized and ran is saved too, and its nodes counted. The profiler times every node,
+which slows a step, so read the shares rather than the absolute times. Then, at the precisions
+onnxruntime-genai has (fp32, int4), the artifact is timed without the profiler against onnxruntime-genai
+on the same-size LLaMA and against a copy of itself without FoX's forget gates (bench/gate_cost.py), in
+interleaved rounds: what the gates cost a step (`--no-peers` leaves that out). Writes
+results/profile.json and the tables between the profile markers of bench/README.md.
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 import onnx
+import peers
+from gate_cost import gate_cost
 from report import replace_section
-from run import HERE, RESULTS, artifact, machine
+from run import HERE, RESULTS, artifact, machine, precision
 from worker import prompts
 
 from runtime.artifact import SessionOptions
@@ -80,6 +85,16 @@ def profile(folder: str, new_tokens: int, threads: int) -> dict:
     }
 
 
+def gate_line(cost: dict) -> str:
+    speed, ratio = cost["decode_tokens_per_s"], cost["vs_genai"]
+    return (
+        f"Without the profiler, median of {cost['rounds']} interleaved rounds: {speed['artifact']:.0f} tokens/s, "
+        f"{ratio['artifact']:.2f}x onnxruntime-genai's {speed['genai']:.0f} on the same-size LLaMA; the same graph "
+        f"without its forget gates ({cost['nodes_without_gates']} nodes; timing only) {speed['without gates']:.0f}, "
+        f"{ratio['without gates']:.2f}x."
+    )
+
+
 def table(result: dict) -> str:
     step, ops = result["step_us"], result["ops"]
     lines = [
@@ -97,21 +112,31 @@ def table(result: dict) -> str:
         listed.append(("other", {"nodes": sum(o["nodes"] for o in rest), "us": sum(o["us"] for o in rest)}))
     for op, figures in listed:
         lines.append(f"| {op} | {figures['nodes']:.0f} | {figures['us']:.1f} | {figures['us'] / step:.1%} |")
+    if "gate_cost" in result:
+        lines += ["", gate_line(result["gate_cost"])]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", default="fox-small")
+    parser.add_argument("--models", nargs="+", default=["fox-small", "fox-mini"])
     parser.add_argument("--quantize", nargs="+", default=["fp32", "int4"], help="fp32, int8, int4 or int4-hqq")
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds timing the forget gates' cost")
+    parser.add_argument("--no-peers", dest="peers", action="store_false", help="leave out the forget gates' cost")
     args = parser.parse_args(argv)
     threads = os.cpu_count()
     results = []
-    for precision in args.quantize:
-        folder = artifact(args.model, "dynamic", None, "gqa", None if precision == "fp32" else precision)
+    for model, weights in [(model, weights) for model in args.models for weights in args.quantize]:
+        folder = artifact(model, "dynamic", None, "gqa", None if weights == "fp32" else weights)
         results.append(profile(folder, args.new_tokens, threads))
         print(f"profiled {Path(folder).name}", flush=True)
+        genai_precision = precision(weights)
+        if args.peers and genai_precision in peers.GENAI_PRECISIONS and "hqq" not in weights:
+            genai = peers.genai_model(model, genai_precision, threads)
+            cost = gate_cost(folder, str(genai), str(peers.genai_python()), threads, args.rounds, 128)
+            results[-1]["gate_cost"] = cost | {"rounds": args.rounds}
+            print(gate_line(results[-1]["gate_cost"]), flush=True)
     RESULTS.mkdir(exist_ok=True)
     report = {"machine": machine(), "settings": {**vars(args), "threads": threads}, "profiles": results}
     (RESULTS / "profile.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -1,9 +1,17 @@
-"""`make profile`'s reading of onnxruntime's trace: node time lands on the decode step it ran in."""
+"""`make profile`: its reading of onnxruntime's trace (node time lands on the decode step it ran in), and the
+gate-free copy of an artifact that times what the forget gates cost."""
 
 import sys
 from pathlib import Path
 
+import numpy as np
+import onnx
+
+from runtime.artifact import SessionOptions
+from runtime.generator import GenerationConfig, Generator
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from gate_cost import without_forget_gates
 from profile_ops import decode_profile
 
 
@@ -26,3 +34,19 @@ def test_only_the_last_generations_decode_runs_count():
     assert result["decode_steps"] == 2 and result["step_us"] == 50
     assert result["ops"] == {"MatMul": {"nodes": 1, "us": 25}, "Add": {"nodes": 1, "us": 6}}
     assert list(result["ops"]) == ["MatMul", "Add"] and result["in_kernels_us"] == 31
+
+
+def test_the_gate_free_copy_runs_the_contract_without_any_forget_gate_node(exported, tmp_path):
+    """bench/gate_cost.py's timing-only copy: nothing computes, stores or sums a gate any more, attention gets
+    no bias, the runtime still opens and runs it, and each present gate is its past, untouched."""
+    result, _ = exported("fox-tiny", "dynamic", attention="gqa")
+    nodes = without_forget_gates(result.path, tmp_path / "bare")
+    graph = onnx.load(str(tmp_path / "bare" / "model.onnx")).graph
+    kinds = {node.op_type for node in graph.node}
+    assert len(graph.node) == nodes and not kinds & {"Softplus", "CumSum", "Pad", "ScatterElements", "Where"}
+    attentions = [node for node in graph.node if node.op_type == "GroupQueryAttention"]
+    assert attentions and all(len(node.input) <= 10 or not node.input[10] for node in attentions)
+    generator = Generator.open(tmp_path / "bare", SessionOptions(provider="cpu"))
+    generator.generate([[5, 6, 7]], GenerationConfig(max_new_tokens=4, min_new_tokens=4))
+    gates = [name for name in generator.cache.past if name.endswith(".gate")]
+    assert gates and all(not np.any(generator.cache.past[name].numpy()) for name in gates)  # zeros, as allocated

@@ -1,0 +1,76 @@
+"""What FoX's forget gates cost a decode step: the artifact against a copy of it whose graph skips them.
+
+The copy is for timing only. Its GroupQueryAttention gets no bias and each present gate is its past,
+passed through, so every node that computes, stores or sums the gates falls away; what is left is the
+graph a LLaMA of the same size needs, with this exporter's joins and fusions. Its logits are wrong (it
+attends without decay). Timed in interleaved rounds beside onnxruntime-genai on the same-size LLaMA at
+the same precision, it says how much of the gap to genai the gates account for.
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import tempfile
+from pathlib import Path
+
+import onnx_ir as ir
+from onnxscript.optimizer import remove_unused_nodes
+from run import Worker
+
+ATTENTION_BIAS = 10  # GroupQueryAttention's input index of attention_bias
+
+
+def without_forget_gates(folder: Path, out: Path) -> int:
+    """Write the timing-only copy of the artifact in `folder` to `out`; returns its node count."""
+    shutil.copytree(folder, out, ignore=shutil.ignore_patterns("model.onnx*"))
+    model = ir.load(folder / "model.onnx")
+    graph = model.graph
+    for node in graph:
+        if node.op_type == "GroupQueryAttention" and len(node.inputs) > ATTENTION_BIAS:
+            node.replace_input_with(ATTENTION_BIAS, None)
+    pasts = {value.name: value for value in graph.inputs}
+    for index, present in enumerate(list(graph.outputs)):
+        if present.name.endswith(".gate"):
+            passed = ir.node("Identity", [pasts[present.name.replace("present", "past_key_values", 1)]])
+            graph.append(passed)
+            name, present.name = present.name, f"{present.name}.skipped"
+            passed.outputs[0].name, passed.outputs[0].dtype = name, present.dtype
+            passed.outputs[0].shape = present.shape
+            graph.outputs[index] = passed.outputs[0]
+    remove_unused_nodes(model)
+    ir.save(model, out / "model.onnx", external_data="model.onnx.data")
+    return len(graph)
+
+
+def gate_cost(folder: str, genai_folder: str, genai_python: str, threads: int, rounds: int, new_tokens: int) -> dict:
+    """Decode tokens/s of genai, the artifact and its copy without gates, in interleaved rounds after a warm-up,
+    with each one's ratio to genai taken round by round."""
+    with tempfile.TemporaryDirectory() as scratch:
+        bare = Path(scratch) / "without-gates"
+        nodes = without_forget_gates(Path(folder), bare)
+        workers = {
+            "genai": Worker("genai", genai_folder, threads, genai_python),
+            "artifact": Worker("runtime", folder, threads),
+            "without gates": Worker("runtime", str(bare), threads),
+        }
+        speeds = {name: [] for name in workers}
+        try:
+            request = {"batch": 1, "prompt": 128, "new_tokens": new_tokens}
+            for index in range(rounds + 1):
+                for name, worker in workers.items():
+                    speed = worker.ask(request)["decode_tokens_per_s"]
+                    if index:  # the first round warms up
+                        speeds[name].append(speed)
+        finally:
+            for worker in workers.values():
+                worker.close()
+    return {
+        "nodes_without_gates": nodes,
+        "decode_tokens_per_s": {name: statistics.median(runs) for name, runs in speeds.items()},
+        "vs_genai": {
+            name: statistics.median(s / g for s, g in zip(runs, speeds["genai"], strict=True))
+            for name, runs in speeds.items()
+            if name != "genai"
+        },
+    }
