@@ -6,6 +6,7 @@ growing (it is fed padding, masked out, from then on). Tokens are streamed as th
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from runtime.sampling import Sampler, SamplingConfig
 # A gqa dynamic artifact's key, value and gate buffers first hold the prompt and up to this many new tokens, and
 # double when a generation goes further: a long max_new_tokens allocates only what is generated.
 RESERVED_NEW_TOKENS = 256
+IDLE_CACHES = 4  # caches kept for later calls once the calls that used them have ended, most recent first
 
 
 @dataclass(frozen=True)
@@ -57,14 +59,21 @@ class GenerationResult:
 
 
 class Generator:
-    """Generation over one artifact; device buffers are kept between calls while the batch size allows."""
+    """Generation over one artifact; device buffers are kept between calls while the batch size allows.
+
+    Calls may overlap (threads sharing one Generator, or streams read in turns): each call holds a cache of
+    its own for as long as it runs, taken from those earlier calls left or newly allocated, and onnxruntime
+    runs one session for several callers at once. A call never shares its buffers with another.
+    """
 
     def __init__(self, artifact: Artifact, tokenizer: Tokenizer | None = None):
         self.artifact, self.tokenizer = artifact, tokenizer
         tokens = artifact.manifest["special_tokens"]
         self.eos = tuple(tokens["eos"] or ())
         self.pad = tokens["pad"] if tokens["pad"] is not None else (self.eos[0] if self.eos else 0)
-        self.cache: DeviceCache | None = None
+        self.cache: DeviceCache | None = None  # the cache the latest call took
+        self._idle: list[DeviceCache] = []  # caches no call holds, the most recently freed last
+        self._idle_lock = threading.Lock()
 
     @classmethod
     def open(cls, folder: str | Path, options: SessionOptions | None = None) -> Generator:
@@ -127,15 +136,35 @@ class Generator:
         """Yield each token as it is chosen; the generator's return value is the GenerationResult."""
         return self._run(self.encode(prompts), config, keep_logits=False, text_events=True)
 
-    def _cache_for(self, batch: int) -> DeviceCache:
-        if self.cache is None or self.cache.batch != batch:
-            self.cache = DeviceCache(self.artifact, batch)
-        else:
-            self.cache.reset()
+    def _take_cache(self, batch: int) -> DeviceCache:
+        """A cache for `batch` rows that no other call holds: an idle one reset, else a new one."""
+        with self._idle_lock:
+            fitting = [cache for cache in self._idle if cache.batch == batch]
+            if fitting:
+                self._idle.remove(fitting[-1])
+        if fitting:
+            fitting[-1].reset()
+        self.cache = fitting[-1] if fitting else DeviceCache(self.artifact, batch)
         return self.cache
 
+    def _give_back(self, cache: DeviceCache) -> None:
+        with self._idle_lock:
+            self._idle = [*self._idle, cache][-IDLE_CACHES:]
+
     def _run(self, prompts: list[list[int]], config: GenerationConfig, keep_logits: bool, text_events: bool):
+        """The token events of one call, then its GenerationResult; the call holds its cache until it ends (or
+        its stream is closed or dropped)."""
         self.check_request(prompts, config)
+        cache = self._take_cache(len(prompts))
+        try:
+            return (yield from self._decode(prompts, config, keep_logits, text_events, cache))
+        finally:
+            self._give_back(cache)
+
+    def _decode(
+        self, prompts: list[list[int]], config: GenerationConfig, keep_logits: bool, text_events: bool,
+        cache: DeviceCache,
+    ):  # fmt: skip
         start = time.perf_counter()
         batch, width = len(prompts), max(map(len, prompts))
         ids = np.full((batch, width), self.pad, dtype=np.int64)
@@ -144,7 +173,6 @@ class Generator:
         for row, prompt in enumerate(prompts):
             ids[row, width - len(prompt) :], mask[row, : width - len(prompt)] = prompt, 0
         static = self.artifact.static
-        cache = self._cache_for(batch)
         cache.reserve(width + min(config.max_new_tokens - 1, RESERVED_NEW_TOKENS))  # the last is never fed back
         binding = self.artifact.session.io_binding()
         sampler = Sampler(config.sampling)
@@ -259,13 +287,16 @@ class Generator:
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         batch, width = ids.shape
         self.check_request(ids.tolist(), GenerationConfig(max_new_tokens=1, prefill_chunk=prefill_chunk))
-        cache = self._cache_for(batch)
-        cache.reserve(width)
-        binding = self.artifact.session.io_binding()
-        mask = np.ones((batch, width), dtype=np.int64)
-        run = partial(self.artifact.session.run_with_iobinding, binding)
-        pieces = [self._feed(binding, cache, ids[:, begin:end], mask, begin, run).numpy()
-                  for begin, end in self._chunks(batch, width, prefill_chunk)]  # fmt: skip
+        cache = self._take_cache(batch)
+        try:
+            cache.reserve(width)
+            binding = self.artifact.session.io_binding()
+            mask = np.ones((batch, width), dtype=np.int64)
+            run = partial(self.artifact.session.run_with_iobinding, binding)
+            pieces = [self._feed(binding, cache, ids[:, begin:end], mask, begin, run).numpy()
+                      for begin, end in self._chunks(batch, width, prefill_chunk)]  # fmt: skip
+        finally:
+            self._give_back(cache)
         return np.concatenate(pieces, axis=1)
 
     def _chunks(self, batch: int, width: int, prefill_chunk: int) -> list[tuple[int, int]]:

@@ -6,6 +6,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -44,6 +45,48 @@ def test_in_place_buffers_keep_their_addresses_across_steps_and_calls(kind, stat
     generator.generate(PROMPTS, GenerationConfig(max_new_tokens=6, min_new_tokens=6), on_token=record)
     generator.generate(PROMPTS, GenerationConfig(max_new_tokens=4, min_new_tokens=4), on_token=record)
     assert seen[0] and len(seen) == 3 * (6 + 4) and all(addresses == seen[0] for addresses in seen)
+
+
+def call_prompts(index: int) -> list[list[int]]:
+    """A different batch for each call: one to three rows of different lengths."""
+    return [[3 + (index * 7 + row * 5 + t) % 90 for t in range(4 + (index + row) % 6)] for row in range(1 + index % 3)]
+
+
+@pytest.mark.parametrize("kind", ["static", "dynamic"])
+def test_threads_sharing_a_generator_get_the_tokens_each_call_gets_alone(kind, static_artifact, dynamic_artifact):
+    """Four threads, five calls each, on one Generator started together: every call's greedy tokens equal the
+    same call's made alone, on a Generator of its own."""
+    folder = static_artifact if kind == "static" else dynamic_artifact
+    config = GenerationConfig(max_new_tokens=12, min_new_tokens=12)
+    alone = {i: Generator.open(folder, CPU).generate(call_prompts(i), config).tokens for i in range(20)}
+    shared, start, got, errors = Generator.open(folder, CPU), threading.Barrier(4), {}, []
+
+    def calls(thread: int) -> None:
+        start.wait()
+        try:
+            for i in range(thread, 20, 4):
+                got[i] = shared.generate(call_prompts(i), config).tokens
+        except Exception as error:  # reported below: a thread's exception would otherwise be lost
+            errors.append(error)
+
+    threads = [threading.Thread(target=calls, args=(t,)) for t in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    assert got == alone
+
+
+def test_two_streams_read_in_turns_each_get_the_tokens_they_get_alone(dynamic_artifact):
+    generator = Generator.open(dynamic_artifact, CPU)
+    config = GenerationConfig(max_new_tokens=10, min_new_tokens=10)
+    alone = [generator.generate(call_prompts(i), config).tokens for i in (1, 4)]
+    streams, tokens = [generator.stream(call_prompts(i), config) for i in (1, 4)], [{}, {}]
+    for events in zip(*streams, strict=True):
+        for mine, event in zip(tokens, events, strict=True):
+            mine.setdefault(event.row, []).append(event.token)
+    assert [[mine[row] for row in sorted(mine)] for mine in tokens] == alone
 
 
 def test_a_longer_generation_after_a_shorter_one_gets_longer_buffers(dynamic_artifact):
