@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -136,30 +137,31 @@ class Generator:
         """Yield each token as it is chosen; the generator's return value is the GenerationResult."""
         return self._run(self.encode(prompts), config, keep_logits=False, text_events=True)
 
-    def _take_cache(self, batch: int) -> DeviceCache:
-        """A cache for `batch` rows that no other call holds: an idle one reset, else a new one."""
+    @contextmanager
+    def _held_cache(self, batch: int) -> Iterator[DeviceCache]:
+        """A cache for `batch` rows that no other call holds while the block runs (an idle one reset, else a new
+        one), kept for later calls afterwards."""
         with self._idle_lock:
-            fitting = [cache for cache in self._idle if cache.batch == batch]
-            if fitting:
-                self._idle.remove(fitting[-1])
-        if fitting:
-            fitting[-1].reset()
-        self.cache = fitting[-1] if fitting else DeviceCache(self.artifact, batch)
-        return self.cache
-
-    def _give_back(self, cache: DeviceCache) -> None:
-        with self._idle_lock:
-            self._idle = [*self._idle, cache][-IDLE_CACHES:]
+            cache = next((c for c in reversed(self._idle) if c.batch == batch), None)
+            if cache is not None:
+                self._idle.remove(cache)
+        if cache is None:
+            cache = DeviceCache(self.artifact, batch)
+        else:
+            cache.reset()
+        self.cache = cache
+        try:
+            yield cache
+        finally:
+            with self._idle_lock:
+                self._idle = [*self._idle, cache][-IDLE_CACHES:]
 
     def _run(self, prompts: list[list[int]], config: GenerationConfig, keep_logits: bool, text_events: bool):
         """The token events of one call, then its GenerationResult; the call holds its cache until it ends (or
         its stream is closed or dropped)."""
         self.check_request(prompts, config)
-        cache = self._take_cache(len(prompts))
-        try:
+        with self._held_cache(len(prompts)) as cache:
             return (yield from self._decode(prompts, config, keep_logits, text_events, cache))
-        finally:
-            self._give_back(cache)
 
     def _decode(
         self, prompts: list[list[int]], config: GenerationConfig, keep_logits: bool, text_events: bool,
@@ -287,16 +289,13 @@ class Generator:
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         batch, width = ids.shape
         self.check_request(ids.tolist(), GenerationConfig(max_new_tokens=1, prefill_chunk=prefill_chunk))
-        cache = self._take_cache(batch)
-        try:
+        with self._held_cache(batch) as cache:
             cache.reserve(width)
             binding = self.artifact.session.io_binding()
             mask = np.ones((batch, width), dtype=np.int64)
             run = partial(self.artifact.session.run_with_iobinding, binding)
             pieces = [self._feed(binding, cache, ids[:, begin:end], mask, begin, run).numpy()
                       for begin, end in self._chunks(batch, width, prefill_chunk)]  # fmt: skip
-        finally:
-            self._give_back(cache)
         return np.concatenate(pieces, axis=1)
 
     def _chunks(self, batch: int, width: int, prefill_chunk: int) -> list[tuple[int, int]]:
