@@ -21,6 +21,7 @@ from tokenizers import Tokenizer
 from runtime.artifact import Artifact, ArtifactError, SessionOptions
 from runtime.device_cache import DeviceCache
 from runtime.sampling import Sampler, SamplingConfig
+from runtime.text_stream import TextStream
 
 # A gqa dynamic artifact's key, value and gate buffers first hold the prompt and up to this many new tokens, and
 # double when a generation goes further: a long max_new_tokens allocates only what is generated.
@@ -185,7 +186,7 @@ class Generator:
         generated: list[list[int]] = [[] for _ in range(batch)]
         reasons = ["length"] * batch
         done, finished = np.zeros(batch, dtype=bool), 0
-        decoded = [""] * batch
+        texts = [TextStream(self.tokenizer) for _ in range(batch)] if text_events and self.tokenizer else None
         ort_s, step_logits, first_token_s = 0.0, [], None
 
         def run_session() -> None:
@@ -238,7 +239,7 @@ class Generator:
             host, device = step_io["logits"]
             return (host if on_host else device.numpy())[:, -1]
 
-        for begin, end in self._chunks(batch, width, config.prefill_chunk):
+        for begin, end in self.prefill_spans(batch, width, config.prefill_chunk):
             logits = prefill(ids[:, begin:end], begin, want_logits=end == width)
         prefill_ort_s = ort_s
         filled = width
@@ -257,7 +258,7 @@ class Generator:
                 generated[row].append(token)
                 if penalised:
                     context[row] = np.append(context[row], token)
-                text = self._text_delta(row, generated[row], decoded) if text_events else ""
+                text = texts[row].push(token) if texts else ""
                 yield TokenEvent(row, token, text)
                 if token in stop_ids and step + 1 >= config.min_new_tokens:
                     done[row], reasons[row] = True, "stop"
@@ -295,10 +296,10 @@ class Generator:
             mask = np.ones((batch, width), dtype=np.int64)
             run = partial(self.artifact.session.run_with_iobinding, binding)
             pieces = [self._feed(binding, cache, ids[:, begin:end], mask, begin, run).numpy()
-                      for begin, end in self._chunks(batch, width, prefill_chunk)]  # fmt: skip
+                      for begin, end in self.prefill_spans(batch, width, prefill_chunk)]  # fmt: skip
         return np.concatenate(pieces, axis=1)
 
-    def _chunks(self, batch: int, width: int, prefill_chunk: int) -> list[tuple[int, int]]:
+    def prefill_spans(self, batch: int, width: int, prefill_chunk: int) -> list[tuple[int, int]]:
         """The [begin, end) spans a prompt of `width` tokens is prefilled in: chunks of `prefill_chunk` on a
         static artifact, except for a batch of several rows on a gqa one (see Artifact.attention)."""
         chunked = self.artifact.static and (batch == 1 or self.artifact.attention != "gqa")
@@ -324,13 +325,3 @@ class Generator:
         outputs = binding.get_outputs()
         cache.advance(outputs)
         return outputs[0]
-
-    def _text_delta(self, row: int, tokens: list[int], decoded: list[str]) -> str:
-        """The new text a token completes; held back while it ends mid-character."""
-        if self.tokenizer is None:
-            return ""
-        text = self.tokenizer.decode(tokens)
-        if text.endswith("\ufffd"):
-            return ""
-        delta, decoded[row] = text[len(decoded[row]) :], text
-        return delta
