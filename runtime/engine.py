@@ -1,0 +1,307 @@
+"""Continuous batching: one loop serves many requests at once over a static artifact's cache rows.
+
+A request waits in a bounded queue until a row is free and its tokens fit in the cache, is prefilled into
+that row alone (on the shared slot clock, see RowCache), and joins the next decode step, which runs every
+occupied row at once. A row that finishes, is cancelled or runs past its deadline is freed before the next
+step, so nobody waits for the longest request. Each request samples with its own Sampler, so its tokens
+are those it gets alone.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from runtime.artifact import ArtifactError
+from runtime.generator import GenerationConfig, Generator
+from runtime.row_cache import RowCache
+from runtime.sampling import Sampler
+
+
+@dataclass(frozen=True)
+class Token:
+    token: int
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: str  # "stop" (a stop token), "length" (max_new_tokens, or the deadline) or "cancelled"
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    message: str
+
+
+Event = Token | Finished | Failed
+
+
+class QueueFull(Exception):
+    """Every row is busy and the queue holds --max-queue requests; retry later."""
+
+
+@dataclass(eq=False)
+class Request:
+    prompt: list[int]
+    config: GenerationConfig
+    emit: Callable[[Event], None]  # called from the engine's thread: Tokens, then one Finished or Failed
+    deadline: float | None  # time.monotonic() past which the request ends
+    cancelled: bool = False
+
+    def cancel(self) -> None:
+        """Free the request's row (or queue place) before the next step; it emits nothing more."""
+        self.cancelled = True
+
+
+@dataclass(eq=False)
+class _Row:
+    request: Request
+    begin: int  # the slot of the request's first token
+    sampler: Sampler
+    generated: list[int] = field(default_factory=list)
+    context: list[np.ndarray] | None = None  # the prompt and tokens so far, for a repetition penalty
+
+    @property
+    def feeds_left(self) -> int:
+        """Decode steps the row may still take: each feeds its last token and yields the next."""
+        return self.request.config.max_new_tokens - len(self.generated)
+
+
+class Engine:
+    """Owns the cache rows and the loop; `submit` may be called from any thread."""
+
+    def __init__(self, generator: Generator, max_batch: int, max_queue: int = 64, timeout_s: float | None = None):
+        limit = generator.artifact.manifest["cache"]["max_batch"]
+        if not 1 <= max_batch <= limit:
+            raise ArtifactError(
+                f"--max-batch {max_batch} is outside [1, {limit}], the batch this artifact was exported for; "
+                "re-export with a larger --max-batch"
+            )
+        self.generator, self.max_queue, self.timeout_s = generator, max_queue, timeout_s
+        self.cache = RowCache(generator.artifact, max_batch)
+        self.rows: list[_Row | None] = [None] * max_batch
+        self.clock = 0  # the slot the next decode step writes, in every row
+        self.waiting: deque[Request] = deque()
+        self._wake = threading.Condition()
+        self._closing = False
+        self._thread = threading.Thread(target=self._loop, name="kvg-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def busy_rows(self) -> int:
+        return sum(row is not None for row in self.rows)
+
+    def submit(self, prompt: list[int], config: GenerationConfig, emit: Callable[[Event], None]) -> Request:
+        """Queue a request; refuses at once what cannot run (ArtifactError, ValueError) or a full queue."""
+        self.generator.check_request([prompt], config)
+        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        request = Request(list(prompt), config, emit, deadline)
+        with self._wake:
+            if self._closing:
+                raise ArtifactError("the engine is shutting down")
+            if len(self.waiting) + self.busy_rows >= self.cache.rows + self.max_queue:
+                raise QueueFull(f"all {self.cache.rows} rows are busy and {len(self.waiting)} requests wait")
+            self.waiting.append(request)
+            self._wake.notify()
+        return request
+
+    def close(self) -> None:
+        """Stop the loop; requests still queued or running get a Failed event."""
+        with self._wake:
+            self._closing = True
+            self._wake.notify()
+        self._thread.join()
+        for request in [*self.waiting, *(row.request for row in self.rows if row is not None)]:
+            self._send(request, Failed("the server is shutting down"))
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._closing and not self.waiting and not self.busy_rows:
+                    self._wake.wait()
+                if self._closing:
+                    return
+            try:
+                self._admit()
+                if self.busy_rows:
+                    self._step()
+            except Exception as error:  # a fault of the engine's own: the running requests fail, the loop goes on
+                for index, row in enumerate(self.rows):
+                    if row is not None:
+                        self.rows[index] = None
+                        self._send(row.request, Failed(f"internal error: {error!r}"))
+
+    @staticmethod
+    def _send(request: Request, event: Event) -> bool:
+        """Deliver an event; a consumer that raises fails its own request only."""
+        try:
+            request.emit(event)
+            return True
+        except Exception:  # the consumer is gone or broken: its request ends, the others go on
+            request.cancel()
+            return False
+
+    def _next_waiting(self) -> Request | None:
+        """The oldest queued request still wanted, dropping those cancelled or past their deadline."""
+        with self._wake:
+            while self.waiting:
+                request = self.waiting[0]
+                if request.cancelled:
+                    self.waiting.popleft()
+                elif request.deadline is not None and time.monotonic() > request.deadline:
+                    self.waiting.popleft()
+                    self._send(request, Failed("the request timed out waiting for a free row"))
+                else:
+                    return request
+        return None
+
+    def _admit(self) -> None:
+        """Prefill waiting requests into free rows, oldest first, while they fit."""
+        while None in self.rows and (request := self._next_waiting()) is not None:
+            begin = self._place(len(request.prompt), request.config.max_new_tokens - 1)
+            if begin is None:
+                return  # it fits once running rows end: it stays first in the queue
+            with self._wake:
+                self.waiting.popleft()
+            row = self.rows.index(None)
+            try:
+                self._prefill(row, request, begin)
+            except Exception as error:  # onnxruntime refused this request: it fails, the engine goes on
+                self.rows[row] = None
+                self._send(request, Failed(f"prefill failed: {error}"))
+
+    def _place(self, length: int, feeds: int) -> int | None:
+        """The first slot for a prompt of `length` tokens ending at the clock, moving the running rows later
+        when the clock is not yet that far; None while the rows' needs do not fit in the cache together."""
+        running = [row for row in self.rows if row is not None]
+        if not running:
+            self.clock = 0
+        clock = max(self.clock, length)
+        lift = clock - self.clock
+        first = min([row.begin + lift for row in running] + [clock - length])
+        if clock - first + max([row.feeds_left for row in running] + [feeds]) > self.cache.length:
+            return None
+        if lift and running:
+            rows = [index for index, row in enumerate(self.rows) if row is not None]
+            start = min(row.begin for row in running)
+            self.cache.move(rows, start, self.clock, start + lift)
+            for row in running:
+                row.begin += lift
+        self.clock = clock
+        return clock - length
+
+    def _prefill(self, row: int, request: Request, begin: int) -> None:
+        config, prompt = request.config, request.prompt
+        session, binding = self.generator.artifact.session, self.generator.artifact.session.io_binding()
+        spans = self.generator.prefill_spans(1, len(prompt), config.prefill_chunk)
+        for index, (start, end) in enumerate(spans):
+            binding.clear_binding_inputs()
+            binding.clear_binding_outputs()
+            binding.bind_cpu_input("input_ids", np.array([prompt[start:end]], dtype=np.int64))
+            mask = np.zeros((1, begin + end), dtype=np.int64)
+            mask[:, begin:] = 1
+            binding.bind_cpu_input("attention_mask", mask)
+            binding.bind_cpu_input("cache_position", np.arange(begin + start, begin + end, dtype=np.int64))
+            binding.bind_output("logits", self.cache.device)
+            self.cache.bind_row(binding, row, index, len(spans))
+            session.run_with_iobinding(binding)
+        logits = binding.get_outputs()[0].numpy()[:, -1]
+        penalised = config.sampling.repetition_penalty != 1.0
+        context = [np.array(prompt, dtype=np.int64)] if penalised else None
+        self.rows[row] = _Row(request, begin, Sampler(config.sampling), context=context)
+        self._choose(row, logits)
+
+    def _step(self) -> None:
+        """One decode step over rows [0, last occupied]; free rows among them are fed padding and ignored."""
+        self._drop_cancelled()
+        if not self.busy_rows:
+            return
+        if self.clock == self.cache.length:
+            self._compact()
+        count = max(index for index, row in enumerate(self.rows) if row is not None) + 1
+        ids = np.full((count, 1), self.generator.pad, dtype=np.int64)
+        begins = np.full(count, self.clock, dtype=np.int64)  # a free row attends its own slot alone
+        for index, row in enumerate(self.rows[:count]):
+            if row is not None:
+                ids[index, 0], begins[index] = row.generated[-1], row.begin
+        mask = (np.arange(self.clock + 1) >= begins[:, None]).astype(np.int64)
+        binding = self.generator.artifact.session.io_binding()
+        binding.bind_cpu_input("input_ids", ids)
+        binding.bind_cpu_input("attention_mask", mask)
+        binding.bind_cpu_input("cache_position", np.array([self.clock], dtype=np.int64))
+        binding.bind_output("logits", self.cache.device)
+        self.cache.bind_rows(binding, count)
+        try:
+            self.generator.artifact.session.run_with_iobinding(binding)
+        except Exception as error:  # nothing of this step is usable: its requests fail, later ones go on
+            for index, row in enumerate(self.rows[:count]):
+                if row is not None:
+                    self.rows[index] = None
+                    self._send(row.request, Failed(f"decode step failed: {error}"))
+            return
+        self.cache.stepped()
+        self.clock += 1
+        logits = binding.get_outputs()[0].numpy()[:, -1]
+        for index in range(count):
+            if self.rows[index] is not None:
+                self._choose(index, logits[index : index + 1])
+
+    def _drop_cancelled(self) -> None:
+        for index, row in enumerate(self.rows):
+            if row is not None and row.request.cancelled:
+                self.rows[index] = None
+
+    def _compact(self) -> None:
+        """Move every running row's slots to the front once the clock reaches the end of the cache."""
+        rows = [index for index, row in enumerate(self.rows) if row is not None]
+        start = min(self.rows[index].begin for index in rows)
+        self.cache.move(rows, start, self.clock, 0)
+        for index in rows:
+            self.rows[index].begin -= start
+        self.clock -= start
+
+    def _choose(self, index: int, logits: np.ndarray) -> None:
+        """The row's next token from its logits `[1, vocab]`, sent; the row is freed if it is done."""
+        row = self.rows[index]
+        request, config = row.request, row.request.config
+        if request.cancelled:
+            self.rows[index] = None
+            return
+        stop_ids = set(self.generator.eos) | set(config.stop_tokens)
+        early = len(row.generated) < config.min_new_tokens
+        banned = np.array(sorted(stop_ids), dtype=np.int64) if early and stop_ids else None  # as Generator bans
+        try:
+            token = int(row.sampler.choose(logits, row.context, banned)[0])
+        except Exception as error:  # a fault in one request's sampling fails that request only
+            self.rows[index] = None
+            self._send(request, Failed(f"sampling failed: {error}"))
+            return
+        row.generated.append(token)
+        if row.context is not None:
+            row.context[0] = np.append(row.context[0], token)
+        if not self._send(request, Token(token)):
+            self.rows[index] = None
+            return
+        reason = None
+        if token in stop_ids and len(row.generated) >= config.min_new_tokens:
+            reason = "stop"
+        elif row.feeds_left == 0 or (request.deadline is not None and time.monotonic() > request.deadline):
+            reason = "length"
+        if reason is not None:
+            self.rows[index] = None
+            self._send(request, Finished(reason, len(request.prompt), len(row.generated)))

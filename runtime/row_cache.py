@@ -1,0 +1,87 @@
+"""A static artifact's cache as rows that requests come and go from, for continuous batching.
+
+Every row's keys, values and gates share one slot clock: a decode step writes slot `cache_position` of
+every bound row. A request's tokens fill consecutive slots that end at the clock, so where they start
+depends on when it joined; the slots before are an earlier request's leftovers, masked out by the row's
+attention mask. That is exact for FoX: a token's RoPE position counts the unmasked slots before it, and a
+key's gate sum runs only over the slots after it, which are all the request's own.
+
+Rows are views into one buffer per tensor (the batch is the leading axis), bound by address: a decode step
+binds rows [0, n), a prefill binds one row, and nothing is copied between steps.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+
+from runtime.artifact import NUMPY_DTYPES, Artifact, ArtifactError
+
+
+class RowCache:
+    def __init__(self, artifact: Artifact, rows: int):
+        if not artifact.static:
+            raise ArtifactError(
+                f"{artifact.folder} has a dynamic cache; continuous batching needs a static one: "
+                "re-export with --cache static"
+            )
+        self.artifact, self.rows, self.device = artifact, rows, artifact.device
+        self.length = artifact.manifest["cache"]["max_cache_len"]
+        pairs = list(zip(artifact.past_names(), artifact.present_names(), strict=True))
+        self.slotted = [pair for pair in pairs if not pair[0].endswith("shift")]  # keys, values, gates
+        self.shifted = [pair for pair in pairs if pair[0].endswith("shift")]  # shift models' token-shift states
+        self.dtypes = {past: NUMPY_DTYPES[artifact.input_spec(past)["dtype"]] for past, _ in pairs}
+        self.buffers = {past: self._zeros(past, rows) for past, _ in pairs}
+        # A shift state is read and replaced by one step, so it lives in two buffers that trade roles
+        self.spare = {past: self._zeros(past, rows) for past, _ in self.shifted}
+        self.fresh = {past: self._zeros(past, 1) for past, _ in self.shifted}  # a new request's state
+
+    def _zeros(self, name: str, rows: int) -> ort.OrtValue:
+        """Zeroed, since a slot no request wrote is still read (with weight exactly 0) and 0 * NaN is NaN."""
+        spec = self.artifact.input_spec(name)
+        shape = [rows if axis == "batch" else axis for axis in spec["axes"]]
+        return ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, self.dtypes[name]), self.device, 0)
+
+    def _bind(self, bind, name: str, past: str, value: ort.OrtValue, first: int, count: int) -> None:
+        """Bind rows [first, first + count) of `value` (a buffer of tensor `past`) as `name`, by address."""
+        dtype, shape = self.dtypes[past], value.shape()
+        row_bytes = int(np.prod(shape[1:])) * np.dtype(dtype).itemsize
+        bind(name, self.device, 0, dtype, [count, *shape[1:]], value.data_ptr() + first * row_bytes)
+
+    def bind_rows(self, binding: ort.IOBinding, count: int) -> None:
+        """A decode step over rows [0, count): keys, values and gates in place, shift states into the spares."""
+        for past, present in self.slotted:
+            self._bind(binding.bind_input, past, past, self.buffers[past], 0, count)
+            self._bind(binding.bind_output, present, past, self.buffers[past], 0, count)
+        for past, present in self.shifted:
+            self._bind(binding.bind_input, past, past, self.buffers[past], 0, count)
+            self._bind(binding.bind_output, present, past, self.spare[past], 0, count)
+
+    def stepped(self) -> None:
+        """After a decode step: the spares hold the shift states now."""
+        for past, _ in self.shifted:
+            self.buffers[past], self.spare[past] = self.spare[past], self.buffers[past]
+
+    def bind_row(self, binding: ort.IOBinding, row: int, chunk: int, chunks: int) -> None:
+        """Chunk `chunk` of `chunks` of a prompt prefilled into `row` alone. Its shift state starts at zero and
+        goes back and forth between the row's two buffers so that the last chunk leaves it where decode reads."""
+        for past, present in self.slotted:
+            self._bind(binding.bind_input, past, past, self.buffers[past], row, 1)
+            self._bind(binding.bind_output, present, past, self.buffers[past], row, 1)
+        writes_buffer = (chunks - 1 - chunk) % 2 == 0
+        for past, present in self.shifted:
+            written, other = (self.buffers, self.spare) if writes_buffer else (self.spare, self.buffers)
+            source, source_row = (self.fresh[past], 0) if chunk == 0 else (other[past], row)
+            self._bind(binding.bind_input, past, past, source, source_row, 1)
+            self._bind(binding.bind_output, present, past, written[past], row, 1)
+
+    def move(self, rows: list[int], begin: int, end: int, to: int) -> None:
+        """Move slots [begin, end) of `rows` to start at slot `to`, in every key, value and gate buffer."""
+        if not rows or begin == to:
+            return
+        for past, _ in self.slotted:
+            value = self.buffers[past]
+            held = value.numpy()  # on the CPU the buffer itself; elsewhere a copy, written back below
+            held[rows, :, to : to + end - begin] = held[rows, :, begin:end]
+            if self.device != "cpu":
+                value.update_inplace(held)
