@@ -19,6 +19,9 @@ PROMPT ?= def parse_args(argv):
 GENERATE_FLAGS ?= --max-new-tokens 48
 EXPORT = $(VENV)/bin/kvg-export "$(MODEL)" --out "$(OUT)" --cache $(CACHE) --dtype $(DTYPE) \
 	$(if $(QUANT),--quantize $(QUANT)) $(EXPORT_FLAGS)
+# `make serve [MODEL=...] [SERVE_FLAGS="--port 8000 --max-batch 8"]`: kvg-serve over the model's static artifact
+# (exported first if missing; continuous batching needs the static cache's rows)
+SERVE_FLAGS ?=
 # `make train PRESET=fox-py [TRAIN_FLAGS="--publish"]` trains a trained preset from nothing, or resumes its run
 PRESET ?= fox-py
 TRAIN_FLAGS ?=
@@ -28,7 +31,7 @@ EVAL_FLAGS ?=
 # onnxruntime-gpu, transformers, tokenizers and this repository on PYTHONPATH.
 GPU_PYTHON ?= python3
 
-.PHONY: setup test lint format clean export generate train eval gpu-check bench profile
+.PHONY: setup test lint format clean export generate serve serve-static train eval gpu-check bench profile
 
 setup: $(STAMP)
 
@@ -36,7 +39,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[export,dev,bench]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[export,dev,bench,serve]"
 	touch $@
 
 test: setup
@@ -50,6 +53,12 @@ $(OUT)/kvg_config.json: | setup
 
 generate: setup $(OUT)/kvg_config.json
 	$(VENV)/bin/kvg-generate "$(OUT)" --prompt "$(PROMPT)" $(GENERATE_FLAGS)
+
+serve:
+	$(MAKE) --no-print-directory serve-static CACHE=static
+
+serve-static: setup $(OUT)/kvg_config.json
+	$(VENV)/bin/kvg-serve "$(OUT)" $(SERVE_FLAGS)
 
 train: setup
 	$(VENV)/bin/kvg-train "$(PRESET)" $(TRAIN_FLAGS)
