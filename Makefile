@@ -31,7 +31,7 @@ EVAL_FLAGS ?=
 # onnxruntime-gpu, transformers, tokenizers and this repository on PYTHONPATH.
 GPU_PYTHON ?= python3
 
-.PHONY: setup test lint format clean export generate serve serve-static train eval gpu-check bench profile
+.PHONY: setup test lint format clean export generate serve serve-static train eval gpu-check bench bench-serve profile
 
 setup: $(STAMP)
 
@@ -71,6 +71,11 @@ eval: setup $(if $(ARTIFACT),,$(OUT)/kvg_config.json)
 # Eager PyTorch against the runtime, side by side (see bench/README.md); BENCH_FLAGS e.g. "--runs 3".
 bench: setup
 	$(PY) bench/run.py $(BENCH_FLAGS)
+
+# kvg-serve under 1, 8 and 32 concurrent clients against the same requests one after another (bench/README.md);
+# BENCH_SERVE_FLAGS e.g. "--runs 1 --clients 8"
+bench-serve: setup
+	$(PY) bench/serve_load.py $(BENCH_SERVE_FLAGS)
 
 # onnxruntime's profiler on a decode: time and nodes per operator type (see bench/README.md); PROFILE_FLAGS e.g.
 # "--models fox-py --quantize fp32 int8", "--no-peers"

@@ -73,24 +73,28 @@ class Worker:
         return json.loads(line)
 
     def settle(self) -> None:
-        """Return once this worker's threads have stopped spinning. After a run onnxruntime's pool keeps a
-        core busy for about 50 ms and torch's OpenMP threads for about 10, which on a 2-core machine would
-        slow whichever system runs next (fox-tiny's runtime runs take about 40 ms)."""
-        stat = Path(f"/proc/{self.process.pid}/stat")
-        deadline, busy = time.monotonic() + SETTLE_LIMIT_S, None
-        while time.monotonic() < deadline:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            cpu_ticks = int(fields[11]) + int(fields[12])  # utime + stime, in clock ticks (10 ms)
-            if cpu_ticks == busy:
-                return
-            busy = cpu_ticks
-            time.sleep(QUIET_S)
+        settle(self.process.pid)
 
     def close(self) -> dict:
         final = self.ask({})
         self.process.stdin.close()
         self.process.wait()
         return final
+
+
+def settle(pid: int) -> None:
+    """Return once a process's threads have stopped spinning. After a run onnxruntime's pool keeps a core
+    busy for about 50 ms and torch's OpenMP threads for about 10, which on a 2-core machine would slow
+    whichever system runs next (fox-tiny's runtime runs take about 40 ms)."""
+    stat = Path(f"/proc/{pid}/stat")
+    deadline, busy = time.monotonic() + SETTLE_LIMIT_S, None
+    while time.monotonic() < deadline:
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+        cpu_ticks = int(fields[11]) + int(fields[12])  # utime + stime, in clock ticks (10 ms)
+        if cpu_ticks == busy:
+            return
+        busy = cpu_ticks
+        time.sleep(QUIET_S)
 
 
 def artifact(model: str, cache: str, length: int | None, attention: str, quantize: str | None = None) -> str:

@@ -1,0 +1,201 @@
+"""`make bench-serve`: kvg-serve under 1, 8 and 32 concurrent streaming clients, against the same requests
+run one after another through the Generator that `kvg-generate` runs, in one interleaved run.
+
+The server (a `kvg-serve` process on the model's static artifact) and the sequential baseline (in this
+process, on the dynamic artifact `make export` makes by default) take turns, in a rotating order, each run.
+Every request is a random prompt of --prompt tokens and exactly --new-tokens greedy new ones. Each client
+sends its requests one after another over a stream (a closed loop), so a level keeps that many requests in
+flight. Throughput is all tokens generated over the level's wall time; time to first token is from sending
+a request to its first streamed text, time per output token the rest of the request's time over its
+remaining tokens (both as a client sees them). Writes results/serve.json and the table in README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+from report import replace_section
+from run import HERE, RESULTS, artifact, machine, settle
+
+from runtime.artifact import SessionOptions
+from runtime.generator import GenerationConfig, Generator
+
+BEGIN, END = "<!-- serve:begin -->", "<!-- serve:end -->"
+STATIC_LENGTH = 512  # room for a 128-token prompt and 128 new tokens, with rows at different offsets
+TARGET_AT_8 = 3.0  # total tokens/s at 8 clients over the sequential figure
+
+
+def workload(count: int, vocab: int, prompt: int, seed: int) -> list[list[int]]:
+    return np.random.default_rng(seed).integers(3, vocab, (count, prompt)).tolist()
+
+
+def sequential(generator: Generator, prompts: list[list[int]], new_tokens: int) -> dict:
+    config = GenerationConfig(new_tokens, new_tokens)
+    start, ttfts, tpots = time.perf_counter(), [], []
+    for prompt in prompts:
+        result = generator.generate([prompt], config)
+        ttfts.append(result.time_to_first_token_s)
+        tpots.append(1 / result.decode_tokens_per_s)
+    wall = time.perf_counter() - start
+    return {"tokens_per_s": len(prompts) * new_tokens / wall, "ttft_s": ttfts, "tpot_s": tpots}
+
+
+async def one_request(http: httpx.AsyncClient, prompt: list[int], new_tokens: int) -> tuple[float, float, int]:
+    body = {"prompt": prompt, "max_tokens": new_tokens, "min_tokens": new_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    sent, first, tokens = time.perf_counter(), None, 0
+    async with http.stream("POST", "/v1/completions", json=body) as answer:
+        answer.raise_for_status()
+        async for line in answer.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"] and first is None:
+                first = time.perf_counter()
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    end = time.perf_counter()
+    return first - sent, (end - first) / max(tokens - 1, 1), tokens
+
+
+async def concurrent(url: str, prompts: list[list[int]], clients: int, new_tokens: int) -> dict:
+    """`clients` streams at once, each taking the next waiting prompt when its last request ends."""
+    waiting = list(reversed(prompts))
+    results = []
+
+    async def client(http: httpx.AsyncClient) -> None:
+        while waiting:
+            results.append(await one_request(http, waiting.pop(), new_tokens))
+
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+        start = time.perf_counter()
+        await asyncio.gather(*(client(http) for _ in range(clients)))
+        wall = time.perf_counter() - start
+    assert all(tokens == new_tokens for _ttft, _tpot, tokens in results), "a request ended early"
+    return {
+        "tokens_per_s": sum(tokens for *_rest, tokens in results) / wall,
+        "ttft_s": [ttft for ttft, _tpot, _tokens in results],
+        "tpot_s": [tpot for _ttft, tpot, _tokens in results],
+    }
+
+
+def start_server(folder: str, max_batch: int, threads: int, flags: list[str]) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, "-m", "runtime.serve_cli", folder, "--port", str(port), "--max-batch", str(max_batch),
+               "--max-queue", "256", "--provider", "cpu", "--threads", str(threads), *flags]  # fmt: skip
+    server = subprocess.Popen(command, cwd=HERE.parent)
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
+    while True:
+        if server.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("kvg-serve did not start; its error is printed above")
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return server, url
+        except httpx.TransportError:
+            time.sleep(0.2)
+
+
+def percentiles(values: list[float]) -> dict:
+    return {"p50": float(np.percentile(values, 50)), "p99": float(np.percentile(values, 99))}
+
+
+def summarize(name: str, runs: list[dict], baseline: list[dict]) -> dict:
+    return {
+        "system": name,
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
+        "vs_sequential": statistics.median(
+            r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(runs, baseline, strict=True)
+        ),
+        "ttft_s": percentiles([v for r in runs for v in r["ttft_s"]]),
+        "tpot_s": percentiles([v for r in runs for v in r["tpot_s"]]),
+    }
+
+
+def table(results: dict) -> str:
+    settings = results["settings"]
+    lines = [
+        BEGIN,
+        f"{settings['model']}, prompts of {settings['prompt']} tokens, {settings['new_tokens']} greedy new tokens "
+        f"each, {settings['runs']} interleaved runs (medians; latency percentiles over every request of every "
+        f"run); server `--max-batch {settings['max_batch']}`, onnxruntime {settings['threads']} threads, "
+        f"on {results['machine']['cores']} cores.",
+        "",
+        "| system | clients | requests | tokens/s | vs sequential | TTFT p50 / p99 (ms) | per token p50 / p99 (ms) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in results["rows"]:
+        ttft, tpot = row["ttft_s"], row["tpot_s"]
+        lines.append(
+            f"| {row['system']} | {row['clients']} | {row['requests']} | {row['tokens_per_s']:.0f} | "
+            f"{row['vs_sequential']:.2f}x | {ttft['p50'] * 1e3:.0f} / {ttft['p99'] * 1e3:.0f} | "
+            f"{tpot['p50'] * 1e3:.1f} / {tpot['p99'] * 1e3:.1f} |"
+        )
+    at_8 = next((row for row in results["rows"] if row["clients"] == 8 and row["system"] == "kvg-serve"), None)
+    if at_8:
+        met = "met" if at_8["vs_sequential"] >= TARGET_AT_8 else "not met"
+        lines += ["", f"Target: at 8 clients, {TARGET_AT_8:.0f}x the sequential tokens/s: {met}."]
+    return "\n".join([*lines, END])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="fox-small")
+    parser.add_argument("--clients", nargs="+", type=int, default=[1, 8, 32])
+    parser.add_argument("--requests", type=int, default=0, help="per level (default: twice its clients, at least 8)")
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--max-batch", type=int, default=16, help="the server's rows (the artifact's max batch)")
+    parser.add_argument("--server-flags", default="", help="more kvg-serve flags, e.g. \"--max-queue 8\"")
+    args = parser.parse_args(argv)
+    threads = os.cpu_count()
+    static = artifact(args.model, "static", STATIC_LENGTH, "gqa")
+    generator = Generator.open(artifact(args.model, "dynamic", None, "gqa"), SessionOptions("cpu", threads))
+    vocab = generator.artifact.vocab_size
+    counts = {c: args.requests or max(2 * c, 8) for c in args.clients}
+    server, url = start_server(static, args.max_batch, threads, args.server_flags.split())
+    levels = ["sequential", *args.clients]
+    runs: dict = {level: [] for level in levels}
+    try:
+        asyncio.run(concurrent(url, workload(2, vocab, args.prompt, seed=10**6), 2, args.new_tokens))  # warm-up
+        sequential(generator, workload(1, vocab, args.prompt, seed=2**31), args.new_tokens)
+        for run in range(args.runs):
+            for level in levels[run % len(levels) :] + levels[: run % len(levels)]:
+                prompts = workload(counts.get(level, 8), vocab, args.prompt, seed=run)
+                if level == "sequential":
+                    runs[level].append(sequential(generator, prompts, args.new_tokens))
+                    settle(os.getpid())
+                else:
+                    runs[level].append(asyncio.run(concurrent(url, prompts, level, args.new_tokens)))
+                    settle(server.pid)
+                print(f"run {run + 1}/{args.runs}: {level}: {runs[level][-1]['tokens_per_s']:.0f} tokens/s", flush=True)
+    finally:
+        server.terminate()
+        server.wait(30)
+    baseline = runs["sequential"]
+    rows = [{**summarize("sequential (Generator, dynamic artifact)", baseline, baseline), "clients": 1, "requests": 8}]
+    rows += [{**summarize("kvg-serve", runs[c], baseline), "clients": c, "requests": counts[c]} for c in args.clients]
+    results = {"machine": machine(), "settings": {**vars(args), "threads": threads}, "rows": rows}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "serve.json").write_text(json.dumps(results, indent=2) + "\n")
+    text = table(results)
+    replace_section(HERE / "README.md", BEGIN, END, text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
