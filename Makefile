@@ -39,7 +39,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[export,dev,bench,serve]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[export,dev,bench,serve,ray]"
 	touch $@
 
 test: setup

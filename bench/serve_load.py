@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--max-batch", type=int, default=16, help="the server's rows (the artifact's max batch)")
-    parser.add_argument("--server-flags", default="", help="more kvg-serve flags, e.g. \"--max-queue 8\"")
+    parser.add_argument("--server-flags", default="", help='more kvg-serve flags, e.g. "--max-queue 8"')
     args = parser.parse_args(argv)
     threads = os.cpu_count()
     static = artifact(args.model, "static", STATIC_LENGTH, "gqa")

@@ -14,6 +14,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -74,16 +75,25 @@ class _Row:
         return self.request.config.max_new_tokens - len(self.generated)
 
 
+def check_servable(folder: Path, manifest: dict, max_batch: int) -> None:
+    """Refuse an artifact the engine cannot batch, naming the fix."""
+    if manifest["cache"]["kind"] != "static":
+        raise ArtifactError(
+            f"{folder} has a dynamic cache; continuous batching needs a static one: re-export with --cache static"
+        )
+    limit = manifest["cache"]["max_batch"]
+    if not 1 <= max_batch <= limit:
+        raise ArtifactError(
+            f"--max-batch {max_batch} is outside [1, {limit}], the batch this artifact was exported for; "
+            "re-export with a larger --max-batch"
+        )
+
+
 class Engine:
     """Owns the cache rows and the loop; `submit` may be called from any thread."""
 
     def __init__(self, generator: Generator, max_batch: int, max_queue: int = 64, timeout_s: float | None = None):
-        limit = generator.artifact.manifest["cache"]["max_batch"]
-        if not 1 <= max_batch <= limit:
-            raise ArtifactError(
-                f"--max-batch {max_batch} is outside [1, {limit}], the batch this artifact was exported for; "
-                "re-export with a larger --max-batch"
-            )
+        check_servable(generator.artifact.folder, generator.artifact.manifest, max_batch)
         self.generator, self.max_queue, self.timeout_s = generator, max_queue, timeout_s
         self.cache = RowCache(generator.artifact, max_batch)
         self.rows: list[_Row | None] = [None] * max_batch

@@ -15,16 +15,11 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 
-from runtime.artifact import NUMPY_DTYPES, Artifact, ArtifactError
+from runtime.artifact import NUMPY_DTYPES, Artifact
 
 
 class RowCache:
     def __init__(self, artifact: Artifact, rows: int):
-        if not artifact.static:
-            raise ArtifactError(
-                f"{artifact.folder} has a dynamic cache; continuous batching needs a static one: "
-                "re-export with --cache static"
-            )
         self.artifact, self.rows, self.device = artifact, rows, artifact.device
         self.length = artifact.manifest["cache"]["max_cache_len"]
         pairs = list(zip(artifact.past_names(), artifact.present_names(), strict=True))

@@ -1,13 +1,12 @@
-"""`kvg-serve ARTIFACT`: serve an exported model over an OpenAI-compatible HTTP API, many clients at once."""
+"""`kvg-serve ARTIFACT`: serve an exported model over an OpenAI-compatible HTTP API, many clients at once,
+from this process or from replicas on a Ray cluster (`--ray --replicas N`)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from runtime.artifact import ArtifactError, SessionOptions
-from runtime.engine import Engine
-from runtime.generator import Generator
+from runtime.artifact import ArtifactError
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -21,33 +20,45 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model-name", help="the id clients send as `model` (default: the folder's name)")
     parser.add_argument("--provider", choices=("auto", "cuda", "cpu"), default="auto")
     parser.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0: its default)")
+    ray = parser.add_argument_group("Ray Serve (pip install 'kvg-export[ray]')")
+    ray.add_argument(
+        "--ray", action="store_true", help="serve from Ray replicas (RAY_ADDRESS's cluster, else a local one)"
+    )
+    ray.add_argument("--replicas", type=int, default=1, help="replicas, each with its own engine and --max-batch rows")
+    ray.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves for each replica")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    extra = "ray" if args.ray else "serve"
     try:
         import uvicorn
 
-        from runtime.server import create_app
+        from runtime.server import ServeOptions, open_app
+
+        if args.ray:
+            from runtime.ray_app import serve_forever
     except ImportError as missing:
-        print(f"kvg-serve: error: {missing.name} is not installed: pip install 'kvg-export[serve]'", file=sys.stderr)
+        print(f"kvg-serve: error: {missing.name} is not installed: pip install 'kvg-export[{extra}]'", file=sys.stderr)
         return 2
+    options = ServeOptions(args.artifact, args.max_batch, args.max_queue, args.timeout, args.model_name, args.provider,
+                           args.threads)  # fmt: skip
     try:
-        if args.timeout <= 0 or args.max_queue < 0:
-            raise ArtifactError("--timeout must be > 0 and --max-queue >= 0")
-        generator = Generator.open(args.artifact, SessionOptions(args.provider, args.threads))
-        engine = Engine(generator, args.max_batch, args.max_queue, args.timeout)
+        options.check()
+        if args.replicas < 1 or args.replica_cpus < 0:
+            raise ArtifactError("--replicas must be >= 1 and --replica-cpus >= 0")
+        if args.ray:
+            serve_forever(options, args.replicas, args.replica_cpus, args.host, args.port)
+            return 0
+        app = open_app(options)
     except (ArtifactError, ValueError) as error:
         print(f"kvg-serve: error: {error}", file=sys.stderr)
         return 2
-    name = args.model_name or generator.artifact.folder.resolve().name
-    print(
-        f"kvg-serve: {name} on {generator.artifact.device.upper()}, {args.max_batch} rows, "
-        f"http://{args.host}:{args.port}/v1",
-        file=sys.stderr,
-    )
-    uvicorn.run(create_app(engine, name), host=args.host, port=args.port, log_level="warning")
+    device = app.state.kvg.engine.generator.artifact.device
+    print(f"kvg-serve: {options.name} on {device.upper()}, {args.max_batch} rows, http://{args.host}:{args.port}/v1",
+          file=sys.stderr)  # fmt: skip
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 
 

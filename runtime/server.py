@@ -15,6 +15,7 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Annotated, Literal
 
 from fastapi import FastAPI, Request
@@ -25,9 +26,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException
 
-from runtime.artifact import ArtifactError
-from runtime.engine import Engine, Failed, Finished, QueueFull, Token
-from runtime.generator import GenerationConfig
+from runtime.artifact import ArtifactError, SessionOptions, read_manifest
+from runtime.engine import Engine, Failed, Finished, QueueFull, Token, check_servable
+from runtime.generator import GenerationConfig, Generator
 from runtime.sampling import SamplingConfig
 from runtime.text_stream import TextStream
 
@@ -328,3 +329,32 @@ async def _stream(head: dict, choices: list[Choice], include_usage: bool, metric
 
 def _json(payload: dict) -> str:
     return json.dumps(payload, separators=(",", ":"))
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """What `kvg-serve` serves and how: the same for one process and for each Ray replica."""
+
+    artifact: str
+    max_batch: int = 8
+    max_queue: int = 64
+    timeout_s: float = 300.0
+    model_name: str | None = None  # the id clients send as `model`; by default the artifact folder's name
+    provider: str = "auto"
+    threads: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.model_name or Path(self.artifact).resolve().name
+
+    def check(self) -> None:
+        """Refuse what cannot be served before any model is loaded (or any replica started)."""
+        if self.timeout_s <= 0 or self.max_queue < 0:
+            raise ArtifactError("--timeout must be > 0 and --max-queue >= 0")
+        folder = Path(self.artifact)
+        check_servable(folder, read_manifest(folder), self.max_batch)
+
+
+def open_app(options: ServeOptions) -> FastAPI:
+    generator = Generator.open(options.artifact, SessionOptions(options.provider, options.threads))
+    return create_app(Engine(generator, options.max_batch, options.max_queue, options.timeout_s), options.name)
