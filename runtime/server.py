@@ -33,6 +33,7 @@ from runtime.sampling import SamplingConfig
 from runtime.text_stream import TextStream
 
 RETRY_AFTER_S = 1
+DISCONNECT_POLL_S = 0.1
 TokenIds = list[Annotated[int, Field(ge=0)]]
 
 
@@ -235,7 +236,7 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/completions")
-    async def completions(request: CompletionRequest):
+    async def completions(request: CompletionRequest, http: Request):
         arrived = time.perf_counter()
         if request.model is not None and request.model != model_name:
             raise ApiError(404, f"model {request.model!r} is not served here; GET /v1/models lists {model_name!r}",
@@ -261,15 +262,29 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
         if request.stream:
             include_usage = request.stream_options is not None and request.stream_options.include_usage
             return EventSourceResponse(_stream(head, choices, include_usage, metrics), ping=15)
+        collected = asyncio.ensure_future(asyncio.gather(*(_collect(choice) for choice in choices)))
+        gone = asyncio.create_task(_client_gone(http))
         try:
-            results = await asyncio.gather(*(_collect(choice) for choice in choices))
+            await asyncio.wait({collected, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            gone.cancel()
             for choice in choices:
                 choice.cancel()
+        if not collected.done():  # the client left: its rows are freed, and nobody reads an answer
+            collected.cancel()
+            metrics.requests.labels(outcome="cancelled").inc()
+            return Response(status_code=499)
+        results = collected.result()
         metrics.requests.labels(outcome="completed").inc()
         return {**head, "choices": results, "usage": _usage(choices)}
 
     return app
+
+
+async def _client_gone(http: Request) -> None:
+    """Returns once the client of a whole (not streamed) answer has disconnected."""
+    while not await http.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
 
 
 def _usage(choices: list[Choice]) -> dict:

@@ -216,13 +216,18 @@ def test_a_full_queue_is_a_429_with_retry_after_and_the_queued_request_still_run
     assert results[0].json()["choices"][0]["token_ids"] == alone(generator, [7, 8], 4)[0]
 
 
-def test_a_client_that_goes_away_mid_stream_frees_its_row(generator, monkeypatch):
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_goes_away_frees_its_row(generator, monkeypatch, stream):
     step = Engine._step
     monkeypatch.setattr(Engine, "_step", lambda self: time.sleep(0.02) or step(self))  # 80 steps take > 1.6 s
     with serving(generator, max_batch=1) as (url, engine):
-        body = {"prompt": [5, 6], "max_tokens": 80, "min_tokens": 80, "stream": True}
-        with httpx.stream("POST", f"{url}/v1/completions", json=body) as answer:
-            next(answer.iter_lines())
+        body = {"prompt": [5, 6], "max_tokens": 80, "min_tokens": 80, "stream": stream}
+        if stream:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body) as answer:
+                next(answer.iter_lines())
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(f"{url}/v1/completions", json=body, timeout=0.3)
         started = time.monotonic()
         while engine.busy_rows and time.monotonic() - started < 10:
             time.sleep(0.01)
