@@ -113,12 +113,12 @@ def percentiles(values: list[float]) -> dict:
 
 
 def summarize(name: str, runs: list[dict], baseline: list[dict]) -> dict:
+    ratios = [r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(runs, baseline, strict=True)]
     return {
         "system": name,
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
-        "vs_sequential": statistics.median(
-            r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(runs, baseline, strict=True)
-        ),
+        "tokens_per_s_runs": [r["tokens_per_s"] for r in runs],
+        "vs_sequential": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)},
         "ttft_s": percentiles([v for r in runs for v in r["ttft_s"]]),
         "tpot_s": percentiles([v for r in runs for v in r["tpot_s"]]),
     }
@@ -133,20 +133,27 @@ def table(results: dict) -> str:
         f"run); server `--max-batch {settings['max_batch']}`, onnxruntime {settings['threads']} threads, "
         f"on {results['machine']['cores']} cores.",
         "",
-        "| system | clients | requests | tokens/s | vs sequential | TTFT p50 / p99 (ms) | per token p50 / p99 (ms) |",
+        "| system | clients | requests | tokens/s | vs sequential (min to max) | TTFT p50 / p99 (ms) "
+        "| per token p50 / p99 (ms) |",
         "|---|---|---|---|---|---|---|",
     ]
     for row in results["rows"]:
-        ttft, tpot = row["ttft_s"], row["tpot_s"]
+        ttft, tpot, ratio = row["ttft_s"], row["tpot_s"], row["vs_sequential"]
         lines.append(
             f"| {row['system']} | {row['clients']} | {row['requests']} | {row['tokens_per_s']:.0f} | "
-            f"{row['vs_sequential']:.2f}x | {ttft['p50'] * 1e3:.0f} / {ttft['p99'] * 1e3:.0f} | "
+            f"{ratio['median']:.2f}x ({ratio['min']:.2f} to {ratio['max']:.2f}) | "
+            f"{ttft['p50'] * 1e3:.0f} / {ttft['p99'] * 1e3:.0f} | "
             f"{tpot['p50'] * 1e3:.1f} / {tpot['p99'] * 1e3:.1f} |"
         )
     at_8 = next((row for row in results["rows"] if row["clients"] == 8 and row["system"] == "kvg-serve"), None)
     if at_8:
-        met = "met" if at_8["vs_sequential"] >= TARGET_AT_8 else "not met"
-        lines += ["", f"Target: at 8 clients, {TARGET_AT_8:.0f}x the sequential tokens/s: {met}."]
+        ratio = at_8["vs_sequential"]
+        met = "met" if ratio["median"] >= TARGET_AT_8 else "not met"
+        runs = "in every run" if ratio["min"] >= TARGET_AT_8 else "not in every run"
+        lines += [
+            "",
+            f"Target: at 8 clients, {TARGET_AT_8:.0f}x the sequential tokens/s: {met} by the median ({runs}).",
+        ]
     return "\n".join([*lines, END])
 
 
