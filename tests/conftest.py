@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from exporters.export import ExportOptions, export_artifact
+from exporters.export import ExportOptions, check_options, export_artifact
 
 STATIC_LENGTH = 96  # room for a 16-token prompt and 64 new tokens, and for the export's own validation
 
@@ -24,10 +24,12 @@ def exported(tmp_path_factory):
     made = {}
 
     def export(preset: str, cache: str, dtype: str = "fp32", attention: str = "auto"):
-        key = (preset, cache, dtype, attention)
+        length = STATIC_LENGTH if cache == "static" else None
+        unmade = tmp_path_factory.getbasetemp() / "unmade"
+        attention = check_options(ExportOptions(preset, unmade, cache, dtype, length, attention=attention)).attention
+        key = (preset, cache, dtype, attention)  # "auto" as what it resolves to: one export serves both names
         if key not in made:
             out = tmp_path_factory.mktemp("artifacts") / "-".join(key)
-            length = STATIC_LENGTH if cache == "static" else None
             lines = []
             options = ExportOptions(preset, out, cache, dtype, length, attention=attention)
             result = export_artifact(options, log=lines.append)
