@@ -66,6 +66,8 @@ class _Row:
     request: Request
     begin: int  # the slot of the request's first token
     sampler: Sampler
+    stop_ids: frozenset[int]  # the end-of-text tokens and the request's stop tokens
+    stops: np.ndarray  # the same, as the ids banned before min_new_tokens
     generated: list[int] = field(default_factory=list)
     context: list[np.ndarray] | None = None  # the prompt and tokens so far, for a repetition penalty
 
@@ -98,6 +100,9 @@ class Engine:
         self.cache = RowCache(generator.artifact, max_batch)
         self.rows: list[_Row | None] = [None] * max_batch
         self.clock = 0  # the slot the next decode step writes, in every row
+        # Decode steps share one binding: keys, values and gates stay bound while the step's row count holds
+        self._decode = generator.artifact.session.io_binding()
+        self._bound_rows = 0
         self.waiting: deque[Request] = deque()
         self._wake = threading.Condition()
         self._closing = False
@@ -151,10 +156,13 @@ class Engine:
                 if self.busy_rows:
                     self._step()
             except Exception as error:  # a fault of the engine's own: the running requests fail, the loop goes on
-                for index, row in enumerate(self.rows):
-                    if row is not None:
-                        self.rows[index] = None
-                        self._send(row.request, Failed(f"internal error: {error!r}"))
+                self._fail_running(f"internal error: {error!r}")
+
+    def _fail_running(self, message: str) -> None:
+        for index, row in enumerate(self.rows):
+            if row is not None:
+                self.rows[index] = None
+                self._send(row.request, Failed(message))
 
     @staticmethod
     def _send(request: Request, event: Event) -> bool:
@@ -233,7 +241,9 @@ class Engine:
         logits = binding.get_outputs()[0].numpy()[:, -1]
         penalised = config.sampling.repetition_penalty != 1.0
         context = [np.array(prompt, dtype=np.int64)] if penalised else None
-        self.rows[row] = _Row(request, begin, Sampler(config.sampling), context=context)
+        stop_ids = frozenset(self.generator.eos) | frozenset(config.stop_tokens)
+        stops = np.array(sorted(stop_ids), dtype=np.int64)
+        self.rows[row] = _Row(request, begin, Sampler(config.sampling), stop_ids, stops, context=context)
         self._choose(row, logits)
 
     def _step(self) -> None:
@@ -250,19 +260,20 @@ class Engine:
             if row is not None:
                 ids[index, 0], begins[index] = row.generated[-1], row.begin
         mask = (np.arange(self.clock + 1) >= begins[:, None]).astype(np.int64)
-        binding = self.generator.artifact.session.io_binding()
+        binding = self._decode
         binding.bind_cpu_input("input_ids", ids)
         binding.bind_cpu_input("attention_mask", mask)
         binding.bind_cpu_input("cache_position", np.array([self.clock], dtype=np.int64))
-        binding.bind_output("logits", self.cache.device)
-        self.cache.bind_rows(binding, count)
+        if count != self._bound_rows:  # the logits output keeps its last shape until bound again
+            binding.bind_output("logits", self.cache.device)
+            self.cache.bind_rows(binding, count)
+            self._bound_rows = count
+        else:
+            self.cache.bind_shift_states(binding, count)
         try:
             self.generator.artifact.session.run_with_iobinding(binding)
         except Exception as error:  # nothing of this step is usable: its requests fail, later ones go on
-            for index, row in enumerate(self.rows[:count]):
-                if row is not None:
-                    self.rows[index] = None
-                    self._send(row.request, Failed(f"decode step failed: {error}"))
+            self._fail_running(f"decode step failed: {error}")
             return
         self.cache.stepped()
         self.clock += 1
@@ -292,9 +303,8 @@ class Engine:
         if request.cancelled:
             self.rows[index] = None
             return
-        stop_ids = set(self.generator.eos) | set(config.stop_tokens)
         early = len(row.generated) < config.min_new_tokens
-        banned = np.array(sorted(stop_ids), dtype=np.int64) if early and stop_ids else None  # as Generator bans
+        banned = row.stops if early and row.stops.size else None  # as Generator bans
         try:
             token = int(row.sampler.choose(logits, row.context, banned)[0])
         except Exception as error:  # a fault in one request's sampling fails that request only
@@ -308,7 +318,7 @@ class Engine:
             self.rows[index] = None
             return
         reason = None
-        if token in stop_ids and len(row.generated) >= config.min_new_tokens:
+        if token in row.stop_ids and len(row.generated) >= config.min_new_tokens:
             reason = "stop"
         elif row.feeds_left == 0 or (request.deadline is not None and time.monotonic() > request.deadline):
             reason = "length"

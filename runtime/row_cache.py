@@ -48,6 +48,10 @@ class RowCache:
         for past, present in self.slotted:
             self._bind(binding.bind_input, past, past, self.buffers[past], 0, count)
             self._bind(binding.bind_output, present, past, self.buffers[past], 0, count)
+        self.bind_shift_states(binding, count)
+
+    def bind_shift_states(self, binding: ort.IOBinding, count: int) -> None:
+        """The shift states alone: they trade buffers every step, while keys, values and gates stay bound."""
         for past, present in self.shifted:
             self._bind(binding.bind_input, past, past, self.buffers[past], 0, count)
             self._bind(binding.bind_output, present, past, self.spare[past], 0, count)
