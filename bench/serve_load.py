@@ -25,7 +25,7 @@ import time
 import httpx
 import numpy as np
 from report import replace_section
-from run import HERE, RESULTS, artifact, machine, settle
+from run import HERE, RESULTS, artifact, machine, settle, spread
 
 from runtime.artifact import SessionOptions
 from runtime.generator import GenerationConfig, Generator
@@ -118,7 +118,7 @@ def summarize(name: str, runs: list[dict], baseline: list[dict]) -> dict:
         "system": name,
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
         "tokens_per_s_runs": [r["tokens_per_s"] for r in runs],
-        "vs_sequential": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)},
+        "vs_sequential": spread(ratios),
         "ttft_s": percentiles([v for r in runs for v in r["ttft_s"]]),
         "tpot_s": percentiles([v for r in runs for v in r["tpot_s"]]),
     }
