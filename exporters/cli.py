@@ -74,7 +74,8 @@ def parse_args(argv: list[str] | None) -> ExportOptions:
     parser.add_argument("--dtype", choices=tuple(export.DTYPES), default="fp32")
     parser.add_argument("--max-cache-len", type=int, help="static cache length (default 1024)")
     parser.add_argument("--max-batch", type=int, default=export.DEFAULT_MAX_BATCH)
-    parser.add_argument("--opset", type=int, default=DEFAULT_OPSET)
+    opsets = f"default {DEFAULT_OPSET}; {export.ONNX_ATTENTION_OPSET} for onnx-attention"
+    parser.add_argument("--opset", type=int, help=f"ONNX opset ({opsets})")
     parser.add_argument(
         "--provider", choices=("cpu", "cuda"), default="cpu", help="onnxruntime provider to validate on"
     )
@@ -82,8 +83,10 @@ def parse_args(argv: list[str] | None) -> ExportOptions:
         "--attention",
         choices=export.ATTENTION_KINDS,
         default="auto",
-        help="gqa: onnxruntime's GroupQueryAttention, appending to the cache buffer in place (CPU provider); "
-        "standard: ONNX MatMul and Softmax, any provider; auto: gqa for fp32 on cpu (default)",
+        help="gqa: onnxruntime's GroupQueryAttention, appending to the cache buffer in place (CPU: fp32, fp16; "
+        "CUDA: fp16, bf16); onnx-attention: ONNX Attention over a static buffer written in place by TensorScatter "
+        "(opset 24; CPU and CUDA); standard: ONNX MatMul and Softmax, any provider, copying the cache; "
+        "auto (default): gqa, except fp32 for --provider cuda: onnx-attention with a static cache, else standard",
     )
     parser.add_argument(
         "--force", action="store_true", help="replace an existing artifact (only once the new one is good)"
@@ -104,8 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = result.report.summary()
     print(
         f"\nartifact  {result.path} ({result.size_bytes / 1e6:.1f} MB)\n"
-        f"parity    logits max |Δ| {summary['max_onnx_logits_diff']:.2e} (onnxruntime), "
-        f"{summary['max_program_logits_diff']:.2e} (ExportedProgram), cache max |Δ| {summary['max_present_diff']:.2e}, "
+        f"parity    {summary['measure']}: logits {summary['max_onnx_logits_diff']:.2e} (onnxruntime), "
+        f"{summary['max_program_logits_diff']:.2e} (ExportedProgram), cache {summary['max_present_diff']:.2e}, "
         f"tolerance {summary['tolerance']:.0e}, greedy tokens {'agree' if summary['greedy_tokens_agree'] else 'differ'}"
         + (" (the float graph, before quantization)" if result.quality else "")
     )

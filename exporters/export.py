@@ -30,8 +30,10 @@ from kvg_export.folders import publish, staging_folder
 from kvg_export.presets import load_model, resolve_checkpoint
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-ATTENTION_KINDS = ("auto", "standard", "gqa")
-OPSETS = range(18, 24)
+ATTENTION_KINDS = ("auto", "standard", "gqa", "onnx-attention")
+IN_PLACE_KINDS = ("gqa", "onnx-attention")  # attention ops that write keys and values into the bound buffer
+OPSETS = range(18, 25)
+ONNX_ATTENTION_OPSET = 24  # the first with TensorScatter and Attention's nonpad_kv_seqlen
 DEFAULT_MAX_CACHE_LEN = 1024
 DEFAULT_MAX_BATCH = 16
 EXTERNAL_DATA_BYTES = 1 << 30  # weights above this go to model.onnx.data; protobuf's limit is 2 GB
@@ -43,6 +45,10 @@ REPORT_NAME = "validation.json"
 QUALITY_THRESHOLDS = {8: Thresholds(0.005, 0.98), 4: Thresholds(0.05, 0.90)}
 DEFAULT_QUALITY_WINDOWS = 64  # windows of 512 tokens: about 33k predicted tokens
 UNLEARNED_SHARE = 4  # eager perplexity above vocabulary / this: the model has not learned the text (random weights)
+_NO_CUDA = (
+    "--provider cuda: CUDA is not available to onnxruntime here (it needs onnxruntime-gpu and an NVIDIA GPU); "
+    "export on such a machine, or use --provider cpu"
+)
 
 
 class ExportError(Exception):
@@ -66,7 +72,7 @@ class ExportOptions:
     dtype: str = "fp32"
     max_cache_len: int | None = None
     max_batch: int = DEFAULT_MAX_BATCH
-    opset: int = DEFAULT_OPSET
+    opset: int | None = None  # None: DEFAULT_OPSET, or ONNX_ATTENTION_OPSET for onnx-attention
     force: bool = False
     provider: str = "cpu"
     attention: str = "auto"  # auto, standard or gqa (see check_options)
@@ -89,7 +95,7 @@ def check_options(options: ExportOptions) -> ExportOptions:
         raise ExportError(f"--cache must be dynamic or static, not {options.cache!r}")
     if options.dtype not in DTYPES:
         raise ExportError(f"--dtype must be one of {', '.join(DTYPES)}, not {options.dtype!r}")
-    if options.opset not in OPSETS:
+    if options.opset is not None and options.opset not in OPSETS:
         raise ExportError(f"--opset {options.opset} is not supported; choose {OPSETS.start}..{OPSETS.stop - 1}")
     if options.max_batch < 1:
         raise ExportError(f"--max-batch must be at least 1, got {options.max_batch}")
@@ -114,6 +120,7 @@ def check_options(options: ExportOptions) -> ExportOptions:
             "export it with --provider cpu"
         )
     options.attention = _attention(options)
+    options.opset = _opset(options)
     out = options.out
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not options.force:
         raise ExportError(f"{out} already exists and is not empty; pass --force to replace it")
@@ -121,19 +128,59 @@ def check_options(options: ExportOptions) -> ExportOptions:
 
 
 def _attention(options: ExportOptions) -> str:
-    """How the graph attends. "gqa", onnxruntime's GroupQueryAttention reading the cache buffer in place,
-    is the fast path on the CPU provider, where it is validated; "standard" ONNX ops run everywhere.
-    `auto` picks gqa for fp32 exports validated on the CPU."""
-    if options.attention not in ATTENTION_KINDS:
-        raise ExportError(f"--attention must be one of {', '.join(ATTENTION_KINDS)}, not {options.attention!r}")
-    if options.attention == "auto":
-        return "gqa" if options.dtype == "fp32" and options.provider == "cpu" else "standard"
-    if options.attention == "gqa" and options.provider != "cpu":
+    """How the graph attends, by dtype and the provider it is exported for; see the --attention help.
+
+    GroupQueryAttention (gqa) appends to the cache buffer in place and takes the FoX bias: onnxruntime runs
+    it on the CPU in fp32 and fp16 and on CUDA in fp16 and bf16, with no fp32 CUDA kernel. fp32 for CUDA
+    attends through the ONNX Attention op over a static buffer that TensorScatter writes in place
+    (onnx-attention); a dynamic cache there takes the standard graph, which copies the cache each step."""
+    attention, dtype, cuda = options.attention, options.dtype, options.provider == "cuda"
+    if attention not in ATTENTION_KINDS:
+        raise ExportError(f"--attention must be one of {', '.join(ATTENTION_KINDS)}, not {attention!r}")
+    if attention == "auto":
+        if dtype != "fp32" or not cuda:
+            return "gqa"
+        return "onnx-attention" if options.cache == "static" else "standard"
+    if attention == "gqa" and dtype == "fp32" and cuda:
         raise ExportError(
-            "--attention gqa needs --provider cpu: its attention bias is validated on onnxruntime's CPU provider "
-            "only; use --attention standard"
+            "--attention gqa has no fp32 kernel on CUDA (onnxruntime runs GroupQueryAttention there in fp16 and "
+            "bf16 only); use --dtype fp16, or --attention onnx-attention with --cache static"
         )
-    return options.attention
+    if attention == "onnx-attention" and options.cache != "static":
+        raise ExportError(
+            "--attention onnx-attention writes a buffer of fixed length (TensorScatter); use it with --cache static"
+        )
+    return attention
+
+
+def _opset(options: ExportOptions) -> int:
+    if options.attention != "onnx-attention":
+        return options.opset or DEFAULT_OPSET
+    if options.opset not in (None, ONNX_ATTENTION_OPSET):
+        raise ExportError(
+            f"--attention onnx-attention needs opset {ONNX_ATTENTION_OPSET} (TensorScatter, Attention with "
+            f"nonpad_kv_seqlen), not {options.opset}; leave --opset out"
+        )
+    return ONNX_ATTENTION_OPSET
+
+
+def _cuda_usable() -> bool:
+    """Whether onnxruntime can start its CUDA provider here: onnxruntime-gpu lists it on any machine and
+    falls back to the CPU when the GPU or its libraries are missing, so a one-node session is asked."""
+    identity = onnx.helper.make_model(
+        onnx.helper.make_graph(
+            [onnx.helper.make_node("Identity", ["x"], ["y"])], "probe",
+            [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
+            [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])],
+        ),
+        opset_imports=[onnx.helper.make_opsetid("", DEFAULT_OPSET)], ir_version=10,
+    )  # fmt: skip
+    ort.set_default_logger_severity(4)  # the failure to start CUDA is what is asked, not an error to log
+    try:
+        session = ort.InferenceSession(identity.SerializeToString(), providers=_providers("cuda"))
+    finally:
+        ort.set_default_logger_severity(2)
+    return "CUDAExecutionProvider" in session.get_providers()
 
 
 def _providers(provider: str) -> list[str]:
@@ -146,6 +193,8 @@ def _providers(provider: str) -> list[str]:
 def export_artifact(options: ExportOptions, log: Callable[[str], None] = print) -> ExportResult:
     """Export `options.model` to an artifact folder at `options.out`; raise ExportError on bad input or parity."""
     options = check_options(options)
+    if options.provider == "cuda" and not _cuda_usable():
+        raise ExportError(_NO_CUDA)
     try:
         staging = staging_folder(options.out)
     except OSError as error:
@@ -177,7 +226,7 @@ def _build(options: ExportOptions, staging: Path, log: Callable[[str], None]) ->
         lambda m: f"{options.model}: {sum(p.numel() for p in m.parameters()):,} parameters, {options.dtype}",
     )  # fmt: skip
     layout = cache_layout(model.config, static=options.cache == "static")
-    in_place = options.attention == "gqa"
+    in_place = options.attention in IN_PLACE_KINDS
     program, example = _stage(
         log, "trace", lambda: export_program(model, layout, options.max_cache_len, options.max_batch, in_place),
         lambda _: f"torch.export, {options.cache} cache, {options.attention} attention",
@@ -191,7 +240,8 @@ def _build(options: ExportOptions, staging: Path, log: Callable[[str], None]) ->
     external = weight_bytes > EXTERNAL_DATA_BYTES
     keep_apart = quantization.keeps if quantization else lambda module: False
     _stage(
-        log, "lower", lambda: lower_to_onnx(program, example, layout, model_path, options.opset, external, keep_apart),
+        log, "lower", lambda: lower_to_onnx(program, example, layout, model_path, options.opset, external, keep_apart,
+                                        options.attention),
         lambda fused: f"ONNX opset {options.opset}, {fused[0]} fewer MatMuls (projections joined), "
         f"{fused[1]} residual adds joined with their norms" + (", weights as external data" if external else ""),
     )  # fmt: skip
@@ -208,12 +258,14 @@ def _build(options: ExportOptions, staging: Path, log: Callable[[str], None]) ->
         lambda _: "onnx.checker (full), graph inputs and outputs against the manifest",
     )  # fmt: skip
     try:
-        session = ort.InferenceSession(str(model_path), providers=_providers(options.provider))
+        quiet = ort.SessionOptions()
+        quiet.log_severity_level = 3  # the validation's separate past and present make TensorScatter warn it copies
+        session = ort.InferenceSession(str(model_path), quiet, providers=_providers(options.provider))
     except Exception as error:  # onnxruntime raises its own exception types for graphs it cannot run
         raise ExportError(f"onnxruntime cannot run the exported graph (opset {options.opset}): {error}") from None
     if options.provider == "cuda" and "CUDAExecutionProvider" not in session.get_providers():
-        raise ExportError("--provider cuda: CUDA is not available to onnxruntime here; use --provider cpu")
-    batch, longer_buffers = min(2, options.max_batch), in_place and not layout.static
+        raise ExportError(_NO_CUDA)
+    batch, longer_buffers = min(2, options.max_batch), in_place and not layout.static  # only gqa is dynamic
     report = _stage(
         log, "validate",
         lambda: validate_export(model, layout, program, session, options.max_cache_len, batch, longer_buffers),

@@ -19,7 +19,7 @@ from torch.export import Dim, ExportedProgram
 from exporters.contract import CacheLayout, cache_shape
 from exporters.fuse_norms import fuse_residual_norms
 from exporters.fuse_projections import fuse_projections
-from exporters.translations import TRANSLATIONS
+from exporters.translations import translations
 from exporters.wrappers import ExportableFox
 from kvg_export import FoxForCausalLM
 
@@ -116,11 +116,12 @@ def name_by_module(graph: ir.Graph) -> None:
 
 def lower_to_onnx(
     program: ExportedProgram, example: tuple, layout: CacheLayout, path: Path, opset: int, external_data: bool,
-    keep_apart: Callable[[str], bool] = lambda module: False,
+    keep_apart: Callable[[str], bool] = lambda module: False, attention: str = "gqa",
 ) -> tuple[int, int]:  # fmt: skip
     """Write `path`: the ONNX graph with contract names and named axes, weights beside it if `external_data`;
     returns how many projections were joined into others (see `fuse_projections`; modules `keep_apart` names
-    are not joined) and how many residual adds into the norms after them (see `fuse_norms`)."""
+    are not joined) and how many residual adds into the norms after them (see `fuse_norms`). `attention` picks
+    the lowering of in-place attention (see `translations`)."""
     # Quiet the exporter's notes that concern other libraries (torchvision ops, a pytree deprecation in torch).
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
     with warnings.catch_warnings():
@@ -133,7 +134,7 @@ def lower_to_onnx(
             opset_version=opset,
             dynamo=True,
             optimize=True,
-            custom_translation_table=TRANSLATIONS,
+            custom_translation_table=translations(attention),
             verbose=False,
         )
     graph = onnx_program.model.graph

@@ -3,13 +3,15 @@
 - `aten.softplus` becomes one ONNX Softplus.
 - `kvg::decay_after` (kvg_export/fox/attention.py) becomes one CumSum that sums from the end.
 - `kvg::group_query_attention` (kvg_export/fox/in_place_attention.py) becomes onnxruntime's
-  com.microsoft GroupQueryAttention, whose past and present the runtime binds to one cache buffer.
+  com.microsoft GroupQueryAttention (`gqa`), or, for `onnx-attention`, two opset-24 TensorScatter nodes
+  that write the new keys and values into the static buffers and one ONNX Attention over them. Either way
+  the runtime binds each cache buffer as both past and present, and the op writes it in place.
 """
 
 from __future__ import annotations
 
 import torch
-from onnx.defs import OpSchema
+from onnx.defs import OpSchema, get_schema
 from onnxscript import INT32
 from onnxscript import opset18 as op
 from onnxscript.values import Op, Opset
@@ -83,8 +85,47 @@ def lower_group_query_attention(
     )  # fmt: skip
 
 
-TRANSLATIONS = {
-    torch.ops.aten.softplus.default: lower_softplus,
-    torch.ops.kvg.group_query_attention.default: lower_group_query_attention,
-    torch.ops.kvg.decay_after.default: lower_decay_after,
-}
+ONNX_24 = Opset("", 24)
+TENSOR_SCATTER = Op(ONNX_24, "TensorScatter", get_schema("TensorScatter", 24))
+ATTENTION = Op(ONNX_24, "Attention", get_schema("Attention", 24))
+
+
+def lower_onnx_attention(
+    query, key, value, key_cache, value_cache, bias, allowed, cache_position, heads: int, kv_heads: int
+):  # fmt: skip
+    """Each row's new keys and values go to the buffer from `cache_position[0]` on; Attention then reads
+    the buffer's first `window` slots of every row (`nonpad_kv_seqlen`), so slots after the window are
+    neither copied nor attended. The op's mask must span the whole buffer: the bias is padded with float32's
+    minimum. The later slots of the window are masked here (Attention's own is_causal aligns the chunk to
+    the window's start, not its end)."""
+    minimum = op.Constant(value_float=float(torch.finfo(torch.float32).min))
+    window = op.Shape(allowed, start=3, end=4)
+    rows = op.Shape(allowed, start=0, end=1)
+    start = op.Slice(cache_position, op.Constant(value_ints=[0]), op.Constant(value_ints=[1]))
+
+    def per_head(states, count: int):  # [batch, seq, count * head_dim] -> [batch, count, seq, head_dim]
+        return op.Transpose(op.Reshape(states, op.Constant(value_ints=[0, 0, count, -1])), perm=[0, 2, 1, 3])
+
+    present_key = TENSOR_SCATTER(key_cache, per_head(key, kv_heads), op.Expand(start, rows), axis=2)
+    present_value = TENSOR_SCATTER(value_cache, per_head(value, kv_heads), op.Expand(start, rows), axis=2)
+    slots = op.Range(op.Constant(value_int=0), op.Squeeze(window), op.Constant(value_int=1))
+    earlier = op.LessOrEqual(slots, op.Unsqueeze(cache_position, op.Constant(value_ints=[-1])))  # [seq, window]
+    masked = op.Where(op.And(allowed, earlier), bias, minimum)
+    after = op.Sub(op.Shape(key_cache, start=2, end=3), window)
+    pads = op.Concat(op.Constant(value_ints=[0, 0, 0, 0, 0, 0, 0]), after, axis=0)
+    mask = op.CastLike(op.Pad(masked, pads, minimum), query)
+    out = ATTENTION(
+        per_head(query, heads), present_key, present_value, mask, None, None, op.Expand(window, rows)
+    )[0]  # fmt: skip
+    joined = op.Reshape(op.Transpose(out, perm=[0, 2, 1, 3]), op.Constant(value_ints=[0, 0, -1]))
+    return joined, present_key, present_value
+
+
+def translations(attention: str) -> dict:
+    """The custom lowerings for a graph that attends as `attention` (see exporters/export.py)."""
+    in_place = lower_onnx_attention if attention == "onnx-attention" else lower_group_query_attention
+    return {
+        torch.ops.aten.softplus.default: lower_softplus,
+        torch.ops.kvg.group_query_attention.default: in_place,
+        torch.ops.kvg.decay_after.default: lower_decay_after,
+    }

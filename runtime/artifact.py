@@ -82,26 +82,41 @@ def _check_graph(session: ort.InferenceSession, manifest: dict, folder: Path) ->
 
 
 def attention_of(manifest: dict) -> str:
-    """How the graph attends: "standard" (ONNX MatMul and Softmax) or "gqa" (onnxruntime's CPU
-    GroupQueryAttention, which takes a later chunk of a prompt for one row only). Artifacts made before
-    the field existed are standard."""
+    """How the graph attends: "standard" (ONNX MatMul and Softmax), "gqa" (onnxruntime's GroupQueryAttention,
+    which takes a later chunk of a prompt for one row only) or "onnx-attention" (ONNX Attention over a static
+    buffer that TensorScatter writes). Artifacts made before the field existed are standard."""
     return manifest.get("attention", "standard")
 
 
-def _providers(choice: str, manifest: dict) -> list:
-    """CUDA first unless CPU is asked for or the graph attends through onnxruntime's CPU GroupQueryAttention;
-    fp32 graphs keep fp32 matmuls (no TF32) so they match eager."""
+def unrunnable(provider: str, manifest: dict) -> str | None:
+    """Why `provider` ("cpu" or "cuda") cannot run this artifact's graph, and what fixes it; None if it can."""
+    dtype, attention = manifest["dtype"], attention_of(manifest)
+    if provider == "cpu" and dtype == "bfloat16":
+        return (
+            "this bf16 artifact runs on CUDA only (onnxruntime's CPU provider has no bf16 MatMul); serve it on a "
+            "machine with CUDA, or re-export with --dtype fp16"
+        )
+    if provider == "cuda" and attention == "gqa" and dtype == "float32":
+        return (
+            "this fp32 artifact attends through GroupQueryAttention, which onnxruntime runs on CUDA in fp16 and "
+            "bf16 only; serve it with --provider cpu, or re-export it for CUDA with --provider cuda (fp32 with "
+            "--cache static attends through onnx-attention) or with --dtype fp16"
+        )
+    return None
+
+
+def _providers(choice: str, manifest: dict) -> tuple[list, bool]:
+    """The session's providers, CUDA first where it can run the graph, and whether CUDA is required (asked
+    for, or the only one that can run it); fp32 graphs keep fp32 matmuls (no TF32) so they match eager."""
     if choice not in ("auto", *PROVIDERS):
         raise ArtifactError(f"provider must be auto, cuda or cpu, not {choice!r}")
-    cpu_only = attention_of(manifest) == "gqa"
-    if choice == "cuda" and cpu_only:
-        raise ArtifactError(
-            "this artifact attends through onnxruntime's GroupQueryAttention, validated on the CPU provider only; "
-            "serve it with --provider cpu, or re-export with --attention standard for CUDA"
-        )
-    if choice == "cpu" or cpu_only:
-        return [PROVIDERS["cpu"]]
-    return [(PROVIDERS["cuda"], {"use_tf32": "0" if manifest["dtype"] == "float32" else "1"}), PROVIDERS["cpu"]]
+    runnable = [p for p in (("cuda", "cpu") if choice == "auto" else (choice,)) if not unrunnable(p, manifest)]
+    if not runnable:
+        raise ArtifactError(unrunnable(choice if choice != "auto" else "cpu", manifest))
+    if runnable == ["cpu"]:
+        return [PROVIDERS["cpu"]], False
+    cuda = (PROVIDERS["cuda"], {"use_tf32": "0" if manifest["dtype"] == "float32" else "1"})
+    return [cuda, PROVIDERS["cpu"]], "cpu" not in runnable
 
 
 def open_session(folder: Path, manifest: dict, options: SessionOptions) -> ort.InferenceSession:
@@ -119,18 +134,27 @@ def open_session(folder: Path, manifest: dict, options: SessionOptions) -> ort.I
             settings.optimized_model_filepath = str(options.optimized_model_path)
     if not model_path.is_file():
         raise ArtifactError(f"{model_path} is missing; re-export the model")
-    providers = _providers(options.provider, manifest)
+    providers, cuda_required = _providers(options.provider, manifest)
+    if cuda_required and PROVIDERS["cuda"] not in ort.get_available_providers():
+        raise ArtifactError(_no_cuda(options.provider, manifest))
     ort.set_default_logger_severity(4)  # a CUDA provider that cannot start is reported below, not logged
     try:
         session = ort.InferenceSession(str(model_path), settings, providers=providers)
     except Exception as error:  # onnxruntime's own exception types: a corrupt or unreadable graph
-        raise ArtifactError(f"onnxruntime cannot load {model_path}: {error}") from None
+        cause = "; the CPU provider took over from a CUDA provider that did not start" if cuda_required else ""
+        raise ArtifactError(f"onnxruntime cannot load {model_path}: {error}{cause}") from None
     finally:
         ort.set_default_logger_severity(2)
-    if options.provider == "cuda" and PROVIDERS["cuda"] not in session.get_providers():
-        raise ArtifactError("--provider cuda: CUDA is not available to onnxruntime here; use --provider cpu or auto")
+    if cuda_required and PROVIDERS["cuda"] not in session.get_providers():
+        raise ArtifactError(_no_cuda(options.provider, manifest))
     _check_graph(session, manifest, folder)
     return session
+
+
+def _no_cuda(choice: str, manifest: dict) -> str:
+    if choice == "cuda":
+        return "--provider cuda: CUDA is not available to onnxruntime here; use --provider cpu or auto"
+    return f"CUDA is not available to onnxruntime here, and {unrunnable('cpu', manifest)}"
 
 
 @dataclass

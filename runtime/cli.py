@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from runtime.artifact import ArtifactError, SessionOptions
+from runtime.artifact import ArtifactError, SessionOptions, unrunnable
 from runtime.generator import GenerationConfig, Generator
 from runtime.sampling import SamplingConfig
 
@@ -46,8 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         device = generator.artifact.device.upper()
         why = ""
         if args.provider == "auto" and device == "CPU":
-            gqa = generator.artifact.attention == "gqa"
-            why = " (its GroupQueryAttention runs on the CPU provider)" if gqa else " (CUDA is not usable here)"
+            gqa = unrunnable("cuda", generator.artifact.manifest) is not None
+            why = " (its fp32 GroupQueryAttention runs on the CPU provider)" if gqa else " (CUDA is not usable here)"
         artifact = generator.artifact
         print(f"kvg-generate: {artifact.folder} on {device}{why}, {artifact.weights}", file=sys.stderr)
         prompts = args.prompt or args.ids

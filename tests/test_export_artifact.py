@@ -13,7 +13,7 @@ from conftest import STATIC_LENGTH
 from exporters import validate
 from exporters.cli import main
 from exporters.contract import cache_layout
-from exporters.export import ExportError, ExportOptions, export_artifact
+from exporters.export import ExportError, ExportOptions, check_options, export_artifact
 from exporters.manifest import MANIFEST_NAME
 from exporters.onnx_export import export_program
 from kvg_export.presets import load_model
@@ -46,7 +46,7 @@ def test_the_artifact_holds_graph_manifest_and_model_files(artifact):
     assert manifest["cache"]["kind"] == cache and manifest["dtype"] == {"fp32": "float32", "fp16": "float16"}[dtype]
     assert manifest["cache"]["max_cache_len"] == (STATIC_LENGTH if cache == "static" else None)
     assert manifest["validation"]["passed"] and manifest["special_tokens"]["eos"] == [2]
-    assert manifest["attention"] == ("gqa" if dtype == "fp32" else "standard")
+    assert manifest["attention"] == "gqa"
     assert not [p for p in result.path.parent.iterdir() if p.name.startswith(".")]  # no staging left behind
 
 
@@ -120,7 +120,9 @@ def test_a_gqa_dynamic_export_is_validated_with_buffers_longer_than_the_filled_p
         (["fox-tiny", "--dtype", "bf16"], "bf16 graphs cannot be validated on onnxruntime's CPU provider"),
         (["fox-tiny", "--opset", "12"], "--opset 12 is not supported"),
         (["fox-tiny", "--max-batch", "0"], "--max-batch must be at least 1"),
-        (["fox-tiny", "--attention", "gqa", "--provider", "cuda"], "--attention gqa needs --provider cpu"),
+        (["fox-tiny", "--attention", "gqa", "--provider", "cuda"], "--attention gqa has no fp32 kernel on CUDA"),
+        (["fox-tiny", "--attention", "onnx-attention"], "use it with --cache static"),
+        (["fox-tiny", "--cache", "static", "--attention", "onnx-attention", "--opset", "20"], "needs opset 24"),
     ],
 )
 def test_bad_input_is_refused_with_a_message_and_nothing_written(tmp_path, capsys, args, message):
@@ -128,6 +130,29 @@ def test_bad_input_is_refused_with_a_message_and_nothing_written(tmp_path, capsy
     assert main([*args, "--out", str(out)]) == 2
     assert re.search(message, capsys.readouterr().err)
     assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("dtype", "provider", "cache", "attention"),
+    [
+        ("fp32", "cpu", "dynamic", "gqa"), ("fp32", "cpu", "static", "gqa"),
+        ("fp16", "cpu", "dynamic", "gqa"), ("fp16", "cuda", "static", "gqa"), ("bf16", "cuda", "dynamic", "gqa"),
+        ("fp32", "cuda", "static", "onnx-attention"), ("fp32", "cuda", "dynamic", "standard"),
+    ],
+)  # fmt: skip
+def test_auto_attention_follows_the_dtype_and_the_provider(tmp_path, dtype, provider, cache, attention):
+    """GroupQueryAttention where onnxruntime has a kernel for the dtype (CPU: fp32, fp16; CUDA: fp16, bf16);
+    fp32 for CUDA writes a static buffer with TensorScatter, at the opset that has it."""
+    options = ExportOptions("fox-tiny", tmp_path / "art", cache, dtype, provider=provider)
+    chosen = check_options(options)
+    assert (chosen.attention, chosen.opset) == (attention, 24 if attention == "onnx-attention" else 20)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA, so the export can run here")
+def test_a_bf16_export_for_cuda_where_there_is_none_is_refused(tmp_path, capsys):
+    assert main(["fox-tiny", "--dtype", "bf16", "--provider", "cuda", "--out", str(tmp_path / "art")]) == 2
+    assert "CUDA is not available to onnxruntime here" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_an_existing_artifact_is_not_replaced_without_force(tmp_path, capsys):

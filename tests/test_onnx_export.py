@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from exporters.contract import cache_layout
+from exporters.export import ONNX_ATTENTION_OPSET
 from exporters.onnx_export import DEFAULT_OPSET, export_program, lower_to_onnx
 from exporters.translations import lower_softplus
 from exporters.wrappers import ExportableFox
@@ -36,7 +37,8 @@ def small_model(name):
     return model
 
 
-KINDS = ("dynamic", "dynamic-gqa", "static", "static-gqa")  # -gqa: attention lowered to GroupQueryAttention
+# -gqa: attention lowered to GroupQueryAttention; -onnx-attention: to TensorScatter and ONNX Attention (opset 24)
+KINDS = ("dynamic", "dynamic-gqa", "static", "static-gqa", "static-onnx-attention")
 
 
 @pytest.fixture(scope="module", params=[(c, k) for c in CONFIGS for k in KINDS], ids=lambda p: "-".join(p))
@@ -46,9 +48,11 @@ def exported(request, tmp_path_factory):
     config = model.config
     layout = cache_layout(config, static=kind.startswith("static"))
     length = MAX_CACHE_LEN if layout.static else None
-    program, example = export_program(model, layout, length, in_place_attention=kind.endswith("gqa"))
+    attention = kind.partition("-")[2] or "standard"
+    program, example = export_program(model, layout, length, in_place_attention=attention != "standard")
     path = tmp_path_factory.mktemp(f"{name}-{kind}") / "model.onnx"
-    lower_to_onnx(program, example, layout, path, DEFAULT_OPSET, external_data=False)
+    opset = ONNX_ATTENTION_OPSET if attention == "onnx-attention" else DEFAULT_OPSET
+    lower_to_onnx(program, example, layout, path, opset, external_data=False, attention=attention)
     return model, layout, path
 
 
@@ -173,11 +177,13 @@ def test_the_softplus_lowering_matches_torch_across_the_gate_range(beta):
 
 def test_each_in_place_buffer_is_read_by_the_one_node_that_writes_its_present(exported):
     """What lets the runtime bind one buffer as past and present: no other node reads a past tensor's data
-    (Shape reads only its size). gqa graphs write keys and values with GroupQueryAttention, standard static
-    graphs with ScatterElements; static gates scatter, and a dynamic gqa graph's gates are padded to the
-    window (by nothing, in a buffer longer than the filled positions) and then scattered."""
+    (Shape reads only its size). gqa graphs write keys and values with GroupQueryAttention, onnx-attention
+    graphs with TensorScatter, standard static graphs with ScatterElements; static gates scatter, and a
+    dynamic gqa graph's gates are padded to the window (by nothing, in a buffer longer than the filled
+    positions) and then scattered."""
     _, layout, path = exported
-    gqa = uses_group_query_attention(path)
+    ops = {node.op_type for node in onnx.load(str(path)).graph.node}
+    gqa = "GroupQueryAttention" in ops
     if not layout.static and not gqa:
         pytest.skip("a standard dynamic graph's present is a new tensor, past + seq long")
     nodes = onnx.load(str(path)).graph.node
@@ -188,7 +194,8 @@ def test_each_in_place_buffer_is_read_by_the_one_node_that_writes_its_present(ex
         readers = [n for n in nodes if past in n.input and n.op_type != "Shape"]
         (writer,) = [n for n in nodes if present in n.output]
         if past.endswith((".key", ".value")):
-            assert readers == [writer] and writer.op_type == ("GroupQueryAttention" if gqa else "ScatterElements")
+            kv_writer = next(op for op in ("GroupQueryAttention", "TensorScatter", "ScatterElements") if op in ops)
+            assert readers == [writer] and writer.op_type == kv_writer
         elif layout.static:
             assert readers == [writer] and writer.op_type == "ScatterElements"
         else:
@@ -219,11 +226,11 @@ def test_every_residual_add_is_joined_with_the_norm_after_it(exported):
     assert not [p for p in squared if p is not None and p.op_type == "Add"]
 
 
-def test_gqa_gate_decay_is_one_cumsum_a_layer_summing_from_the_end(exported):
+def test_in_place_gate_decay_is_one_cumsum_a_layer_summing_from_the_end(exported):
     """In float32 the in-place attention's bias is c_last - c_j: one reverse, exclusive CumSum a layer and no
     per-query Gather or Sub of gate sums."""
     model, _, path = exported
-    if not uses_group_query_attention(path):
+    if not {"GroupQueryAttention", "TensorScatter"} & {node.op_type for node in onnx.load(str(path)).graph.node}:
         pytest.skip("the standard graph attends with c_i - c_j")
     cumsums = [n for n in onnx.load(str(path)).graph.node if n.op_type == "CumSum"]
     decays = [n for n in cumsums if {a.name: a.i for a in n.attribute} == {"reverse": 1, "exclusive": 1}]

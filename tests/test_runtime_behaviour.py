@@ -32,11 +32,16 @@ def dynamic_artifact(exported):
     return exported("fox-tiny", "dynamic")[0].path
 
 
-@pytest.mark.parametrize("kind", ["static", "dynamic"])
-def test_in_place_buffers_keep_their_addresses_across_steps_and_calls(kind, static_artifact, dynamic_artifact):
+@pytest.mark.parametrize("kind", ["static", "dynamic", "static-onnx-attention"])
+def test_in_place_buffers_keep_their_addresses_across_steps_and_calls(
+    kind, exported, static_artifact, dynamic_artifact
+):
     """A static artifact's keys, values and gates, and a gqa dynamic artifact's keys and values, are written
-    in place by the graph, in buffers a later generation reuses when they are long enough."""
-    generator = Generator.open(static_artifact if kind == "static" else dynamic_artifact, CPU)
+    in place by the graph, in buffers a later generation reuses when they are long enough. The graph made
+    for fp32 on CUDA (TensorScatter and ONNX Attention) runs so on the CPU provider too."""
+    artifacts = {"static": static_artifact, "dynamic": dynamic_artifact}
+    path = artifacts.get(kind) or exported("fox-pro-tiny", "static", attention="onnx-attention")[0].path
+    generator = Generator.open(path, CPU)
     seen = []
 
     def record(_event):
@@ -256,11 +261,27 @@ def test_asking_for_cuda_where_there_is_none_is_an_error(exported, capsys):
     assert "CUDA is not available" in capsys.readouterr().err
 
 
-def test_a_gqa_artifact_is_refused_on_cuda_with_the_fix(static_artifact, capsys):
+def test_an_fp32_gqa_artifact_is_refused_on_cuda_with_the_fix(static_artifact, capsys):
     assert main([str(static_artifact), "--ids", "5,6", "--provider", "cuda"]) == 2
     err = capsys.readouterr().err
-    assert "GroupQueryAttention" in err and "re-export with --attention standard for CUDA" in err
+    assert "GroupQueryAttention, which onnxruntime runs on CUDA in fp16 and bf16 only" in err
+    assert "re-export it for CUDA with --provider cuda" in err
     assert "cannot load" not in err  # the artifact is fine; the provider is the problem
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA, where a bf16 artifact runs")
+@pytest.mark.parametrize(("provider", "message"), [
+    ("cpu", "^this bf16 artifact runs on CUDA only \\(onnxruntime's CPU provider has no bf16 MatMul\\)"),
+    ("auto", "^CUDA is not available to onnxruntime here, and this bf16 artifact runs on CUDA only"),
+])  # fmt: skip
+def test_a_bf16_artifact_is_refused_on_the_cpu_with_the_reason(exported, tmp_path, provider, message):
+    """bf16 exports are validated on CUDA only, so the artifact is an fp16 one that says bf16; the refusal
+    comes from the manifest, before onnxruntime loads the graph."""
+    folder = shutil.copytree(exported("fox-tiny", "static", "fp16")[0].path, tmp_path / "bf16")
+    manifest = json.loads((folder / "kvg_config.json").read_text())
+    (folder / "kvg_config.json").write_text(json.dumps(manifest | {"dtype": "bfloat16"}))
+    with pytest.raises(ArtifactError, match=message + ".*re-export with --dtype fp16"):
+        Generator.open(folder, SessionOptions(provider=provider))
 
 
 def test_a_saved_optimized_graph_is_written_once_and_reused(dynamic_artifact, tmp_path):
