@@ -27,11 +27,12 @@ PRESET ?= fox-py
 TRAIN_FLAGS ?=
 ARTIFACT ?=
 EVAL_FLAGS ?=
-# gpu-check runs where the CUDA stack is already installed (no venv is built): a Python with CUDA torch,
-# onnxruntime-gpu, transformers, tokenizers and this repository on PYTHONPATH.
+# gpu-check runs on a GPU machine with its own Python (GPU_PYTHON, holding CUDA torch; no venv is built), after
+# `make gpu-bundle` here has put onnxruntime-gpu and the pinned transformers in .whl (README: "The CUDA check").
 GPU_PYTHON ?= python3
+GPU_CHECK_FLAGS ?=
 
-.PHONY: setup test lint format clean export generate serve serve-static train eval gpu-check bench bench-serve profile
+.PHONY: setup test lint format clean export generate serve serve-static train eval gpu-bundle gpu-check bench bench-serve profile
 
 setup: $(STAMP)
 
@@ -82,9 +83,11 @@ bench-serve: setup
 profile: setup
 	$(PY) bench/profile_ops.py $(PROFILE_FLAGS)
 
+gpu-bundle:
+	bash bench/gpu_bundle.sh
+
 gpu-check:
-	PYTHONPATH=.:$$PYTHONPATH $(GPU_PYTHON) -m pytest -q -m cuda tests
-	PYTHONPATH=.:$$PYTHONPATH $(GPU_PYTHON) bench/gpu_check.py
+	GPU_PYTHON=$(GPU_PYTHON) bash bench/gpu_check.sh $(GPU_CHECK_FLAGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

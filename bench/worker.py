@@ -65,7 +65,7 @@ def generate_runner(model, options: dict):
             pass
 
     def run(batch: int, prompt: int, new_tokens: int) -> dict:
-        ids = torch.tensor(prompts(model.config.vocab_size, batch, prompt))
+        ids = torch.tensor(prompts(model.config.vocab_size, batch, prompt), device=model.device)
         streamer = FirstToken()
         start = time.perf_counter()
         with torch.no_grad():

@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from exporters.validate import DECODE_STEPS, PROMPT_LENGTH, TOLERANCES, validation_prompt
-from runtime.artifact import NUMPY_DTYPES, SessionOptions
+from runtime.artifact import SessionOptions
+from runtime.buffers import HOST_TYPES
 from runtime.generator import GenerationConfig, Generator
 
 
@@ -52,7 +53,7 @@ def check_cache(folder: Path, batch: int = 2) -> CacheCheck:
 
     pasts = {
         entry["name"]: np.zeros([batch if a == "batch" else 0 if a == "past" else a for a in entry["axes"]],
-                                dtype=NUMPY_DTYPES[entry["dtype"]])
+                                dtype=HOST_TYPES[entry["dtype"]])
         for entry in manifest["inputs"] if entry["name"].startswith("past_key_values.")
     }  # fmt: skip
     presents = [entry for entry in manifest["outputs"] if entry["name"] != "logits"]
@@ -65,7 +66,7 @@ def check_cache(folder: Path, batch: int = 2) -> CacheCheck:
         for entry, value in zip(presents, outputs, strict=True):
             sizes = {"batch": batch, "total": filled + ids.shape[1]}
             shape = tuple(sizes.get(a, a) for a in entry["axes"])
-            if value.shape != shape or value.dtype != NUMPY_DTYPES[entry["dtype"]]:
+            if value.shape != shape or value.dtype != HOST_TYPES[entry["dtype"]]:
                 check.failure = (
                     f"step {step}: {entry['name']} is {value.dtype}{list(value.shape)}, the contract says "
                     f"{entry['dtype']}{list(shape)}"

@@ -201,3 +201,41 @@ def _failure(entry: StepReport, logits, eager_next, onnx_next: list, tolerance: 
     if any(bool((margin > 2 * tolerance * scale).any()) for margin in margins):
         return f"{entry.step}: onnxruntime's greedy token differs from eager's by a margin above the tolerance"
     return None
+
+
+def greedy_disagreement(got_tokens, want_tokens, got_logits, want_logits, dtype: str) -> str | None:
+    """Why a greedy generation `got` (tokens per row, logits `[batch, vocab]` per step) is not eager's `want`,
+    or None. Each row must pick eager's tokens with logits within the dtype's tolerance, except that in half
+    precision a row may part from eager's at a step where eager's two best tokens are closer than twice the
+    tolerance (fp16 cannot tell them apart); the steps after that are not compared."""
+    tolerance = TOLERANCES[dtype]
+    for row, (tokens, wanted) in enumerate(zip(got_tokens, want_tokens, strict=True)):
+        parted = next((step for step, (a, b) in enumerate(zip(tokens, wanted, strict=True)) if a != b), None)
+        for step in range(len(wanted) if parted is None else parted + 1):
+            if (diff := difference(got_logits[step][row], want_logits[step][row], dtype)) > tolerance:
+                return f"row {row}, step {step}: logits differ by {diff:.2e} > {tolerance:.0e}"
+        if parted is None:
+            continue
+        logits = np.asarray(want_logits[parted][row], dtype=np.float32)
+        margin = logits[wanted[parted]] - logits[tokens[parted]]
+        scale = max(1.0, float(np.abs(logits).max())) if dtype in SCALED_DTYPES else 1.0
+        if dtype not in SCALED_DTYPES or margin > 2 * tolerance * scale:
+            return f"row {row}, step {parted}: token {tokens[parted]}, eager's {wanted[parted]} (margin {margin:.2e})"
+    return None
+
+
+def eager_generate(model: FoxForCausalLM, prompts: list[list[int]], new_tokens: int):
+    """transformers' generate() on a left-padded batch, greedy, on the model's device: the new tokens and the
+    logits of each step `[batch, vocab]` (float32, on the host), what `greedy_disagreement` compares with."""
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :], mask[row, width - len(prompt) :] = torch.tensor(prompt), 1
+    with torch.no_grad():
+        out = model.generate(
+            ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, output_logits=True,
+            return_dict_in_generate=True,
+        )  # fmt: skip
+    return out.sequences[:, width:].tolist(), [step.float().cpu().numpy() for step in out.logits]

@@ -11,12 +11,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import onnxruntime as ort
 
 MANIFEST_NAME = "kvg_config.json"
 SUPPORTED_FORMAT = 2
-NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int64": np.int64}
 ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int64)": "int64",
              "tensor(bfloat16)": "bfloat16"}  # fmt: skip
 PROVIDERS = {"cuda": "CUDAExecutionProvider", "cpu": "CPUExecutionProvider"}

@@ -18,7 +18,8 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 
-from runtime.artifact import NUMPY_DTYPES, Artifact
+from runtime import buffers
+from runtime.artifact import Artifact
 
 
 def _field(name: str) -> str:
@@ -43,22 +44,23 @@ class DeviceCache:
 
     def reserve(self, length: int) -> None:
         """Make a gqa dynamic artifact's key, value and gate buffers hold `length` positions: at least double
-        them, keeping what they hold (on the CPU, where GroupQueryAttention runs)."""
+        them, keeping what they hold (through the host: this happens a few times in a long generation)."""
         if self.length is None or length <= self.length:
             return
         grown_length = max(length, 2 * self.length)
         for past in self.in_place:
-            held = self.past[past].numpy()
+            dtype = self.artifact.input_spec(past)["dtype"]
+            held = buffers.to_host(self.past[past], dtype)
             grown = np.zeros((*held.shape[:2], grown_length, *held.shape[3:]), held.dtype)
             grown[:, :, : self.length] = held
-            self.past[past] = ort.OrtValue.ortvalue_from_numpy(grown, self.device, 0)
+            self.past[past] = buffers.from_host(grown, dtype, self.device)
         self.length, self.moved = grown_length, True
 
     def _zeros(self, name: str) -> ort.OrtValue:
         spec = self.artifact.input_spec(name)
         past = self.length if name in self.in_place else 0  # a static buffer's length is a number in the spec
         shape = [self.batch if axis == "batch" else past if axis == "past" else axis for axis in spec["axes"]]
-        return ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, NUMPY_DTYPES[spec["dtype"]]), self.device, 0)
+        return buffers.zeros(shape, spec["dtype"], self.device)
 
     def reset(self) -> None:
         """Start a new generation.

@@ -15,7 +15,8 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 
-from runtime.artifact import NUMPY_DTYPES, Artifact
+from runtime import buffers
+from runtime.artifact import Artifact
 
 
 class RowCache:
@@ -25,7 +26,7 @@ class RowCache:
         pairs = list(zip(artifact.past_names(), artifact.present_names(), strict=True))
         self.slotted = [pair for pair in pairs if not pair[0].endswith("shift")]  # keys, values, gates
         self.shifted = [pair for pair in pairs if pair[0].endswith("shift")]  # shift models' token-shift states
-        self.dtypes = {past: NUMPY_DTYPES[artifact.input_spec(past)["dtype"]] for past, _ in pairs}
+        self.dtypes = {past: artifact.input_spec(past)["dtype"] for past, _ in pairs}
         self.buffers = {past: self._zeros(past, rows) for past, _ in pairs}
         # A shift state is read and replaced by one step, so it lives in two buffers that trade roles
         self.spare = {past: self._zeros(past, rows) for past, _ in self.shifted}
@@ -35,13 +36,14 @@ class RowCache:
         """Zeroed, since a slot no request wrote is still read (with weight exactly 0) and 0 * NaN is NaN."""
         spec = self.artifact.input_spec(name)
         shape = [rows if axis == "batch" else axis for axis in spec["axes"]]
-        return ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, self.dtypes[name]), self.device, 0)
+        return buffers.zeros(shape, self.dtypes[name], self.device)
 
     def _bind(self, bind, name: str, past: str, value: ort.OrtValue, first: int, count: int) -> None:
         """Bind rows [first, first + count) of `value` (a buffer of tensor `past`) as `name`, by address."""
         dtype, shape = self.dtypes[past], value.shape()
-        row_bytes = int(np.prod(shape[1:])) * np.dtype(dtype).itemsize
-        bind(name, self.device, 0, dtype, [count, *shape[1:]], value.data_ptr() + first * row_bytes)
+        row_bytes = int(np.prod(shape[1:])) * buffers.item_size(dtype)
+        address = value.data_ptr() + first * row_bytes
+        bind(name, self.device, 0, buffers.element_type(dtype), [count, *shape[1:]], address)
 
     def bind_rows(self, binding: ort.IOBinding, count: int) -> None:
         """A decode step over rows [0, count): keys, values and gates in place, shift states into the spares."""
@@ -79,8 +81,7 @@ class RowCache:
         if not rows or begin == to:
             return
         for past, _ in self.slotted:
-            value = self.buffers[past]
-            held = value.numpy()  # on the CPU the buffer itself; elsewhere a copy, written back below
+            value, dtype = self.buffers[past], self.dtypes[past]
+            held = buffers.to_host(value, dtype)
             held[rows, :, to : to + end - begin] = held[rows, :, begin:end]
-            if self.device != "cpu":
-                value.update_inplace(held)
+            buffers.write_back(value, held, dtype, self.device)

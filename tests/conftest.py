@@ -19,19 +19,20 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def exported(tmp_path_factory):
-    """exported(preset, cache, dtype="fp32", attention="auto") -> (ExportResult, progress lines), each
-    exported once."""
+    """exported(preset, cache, dtype="fp32", attention="auto", provider="cpu") -> (ExportResult, progress
+    lines), each exported (and validated on `provider`) once."""
     made = {}
 
-    def export(preset: str, cache: str, dtype: str = "fp32", attention: str = "auto"):
+    def export(preset: str, cache: str, dtype: str = "fp32", attention: str = "auto", provider: str = "cpu"):
         length = STATIC_LENGTH if cache == "static" else None
         unmade = tmp_path_factory.getbasetemp() / "unmade"
-        attention = check_options(ExportOptions(preset, unmade, cache, dtype, length, attention=attention)).attention
-        key = (preset, cache, dtype, attention)  # "auto" as what it resolves to: one export serves both names
+        options = ExportOptions(preset, unmade, cache, dtype, length, provider=provider, attention=attention)
+        attention = check_options(options).attention
+        key = (preset, cache, dtype, attention, provider)  # "auto" as what it resolves to: one export for both
         if key not in made:
             out = tmp_path_factory.mktemp("artifacts") / "-".join(key)
             lines = []
-            options = ExportOptions(preset, out, cache, dtype, length, attention=attention)
+            options = ExportOptions(preset, out, cache, dtype, length, provider=provider, attention=attention)
             result = export_artifact(options, log=lines.append)
             made[key] = (result, lines)
         return made[key]

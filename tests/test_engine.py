@@ -99,7 +99,7 @@ def schedule(count: int, seed: int) -> tuple[list, dict[int, tuple[int, int]]]:
 
 
 @pytest.mark.parametrize(("preset", "attention", "rows"), [("fox-pro-tiny", "gqa", 8), ("fox-pro-tiny", "standard", 3),
-                                                            ("fox-tiny", "gqa", 16)])  # fmt: skip
+                                                            ("fox-tiny", "onnx-attention", 16)])  # fmt: skip
 def test_requests_joining_a_running_batch_get_the_tokens_they_get_alone(exported, monkeypatch, preset, attention, rows):
     """Every way a row's slots move (later, for a prompt longer than the clock; to the front, once the clock
     reaches the end of the cache) happens, as the test checks, and each request still gets its tokens alone."""

@@ -41,7 +41,19 @@ def test_in_place_buffers_keep_their_addresses_across_steps_and_calls(
     for fp32 on CUDA (TensorScatter and ONNX Attention) runs so on the CPU provider too."""
     artifacts = {"static": static_artifact, "dynamic": dynamic_artifact}
     path = artifacts.get(kind) or exported("fox-pro-tiny", "static", attention="onnx-attention")[0].path
-    generator = Generator.open(path, CPU)
+    assert_addresses_stay(Generator.open(path, CPU))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(("dtype", "cache"), [("fp32", "static"), ("fp16", "static"), ("bf16", "static"),
+                                              ("fp16", "dynamic")])  # fmt: skip
+def test_on_cuda_in_place_buffers_keep_their_addresses(exported, dtype, cache):
+    """fp32 static: TensorScatter and ONNX Attention; fp16 and bf16: GroupQueryAttention, on CUDA."""
+    path = exported("fox-pro-tiny", cache, dtype, provider="cuda")[0].path
+    assert_addresses_stay(Generator.open(path, SessionOptions(provider="cuda")))
+
+
+def assert_addresses_stay(generator: Generator) -> None:
     seen = []
 
     def record(_event):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from exporters.export import DTYPES
-from exporters.validate import TOLERANCES, difference
+from exporters.validate import TOLERANCES, eager_generate, greedy_disagreement
 from kvg_export.presets import load_model
 from runtime.artifact import SessionOptions
 from runtime.generator import RESERVED_NEW_TOKENS, GenerationConfig, Generator
@@ -23,21 +23,6 @@ def random_prompts(lengths, vocab, seed):
     return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in lengths]
 
 
-def eager_generate(model, prompts, new_tokens=NEW_TOKENS):
-    """transformers' generate() on a left-padded batch: the new tokens and the raw logits of each step."""
-    width = max(map(len, prompts))
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt) :], mask[row, width - len(prompt) :] = torch.tensor(prompt), 1
-    with torch.no_grad():
-        out = model.generate(
-            ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-            pad_token_id=0, output_logits=True, return_dict_in_generate=True,
-        )  # fmt: skip
-    return out.sequences[:, width:].tolist(), [step.float().numpy() for step in out.logits]
-
-
 @pytest.mark.parametrize("prompt_kind", PROMPTS)
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("preset", PRESETS)
@@ -48,9 +33,12 @@ def test_runtime_greedy_tokens_and_logits_equal_eager_generate(exported, preset,
 @pytest.mark.cuda
 @pytest.mark.parametrize("prompt_kind", PROMPTS)
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("preset", ["fox-pro-tiny", "fox-small"])
-def test_runtime_on_cuda_generates_what_eager_generates(exported, preset, cache, prompt_kind):
-    check_parity(exported, preset, cache, prompt_kind, "cuda", attention="standard")  # gqa is CPU-only
+def test_runtime_on_cuda_generates_what_eager_generates(exported, preset, dtype, cache, prompt_kind):
+    """Exports for CUDA, attention as `auto` picks it there (fp32: onnx-attention static, standard dynamic;
+    fp16, bf16: gqa), against eager on the CPU in the same dtype."""
+    check_parity(exported, preset, cache, prompt_kind, "cuda", dtype=dtype)
 
 
 @pytest.mark.parametrize("prompt_kind", PROMPTS)
@@ -80,27 +68,18 @@ def test_fp16_gqa_artifacts_of_every_preset_generate_what_eager_fp16_generates(e
 
 
 def check_parity(exported, preset, cache, prompt_kind, provider, attention="auto", dtype="fp32"):
-    result, _ = exported(preset, cache, dtype, attention=attention)
+    result, _ = exported(preset, cache, dtype, attention=attention, provider=provider)
     manifest = json.loads((result.path / "kvg_config.json").read_text())
-    assert manifest["attention"] == ("gqa" if attention == "auto" else attention)
+    if provider == "cpu":  # what auto picks for CUDA is tested in test_export_artifact
+        assert manifest["attention"] == ("gqa" if attention == "auto" else attention)
     model = load_model(preset, dtype=DTYPES[dtype])
     prompts = random_prompts(PROMPTS[prompt_kind], model.config.vocab_size, seed=len(preset))
-    want_tokens, want_logits = eager_generate(model, prompts)
+    want_tokens, want_logits = eager_generate(model, prompts, NEW_TOKENS)
     generator = Generator.open(result.path, SessionOptions(provider=provider))
     assert generator.artifact.device == provider
     config = GenerationConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
     got = generator.generate(prompts, config, keep_logits=True)
-    dtype, tolerance = manifest["dtype"], TOLERANCES[manifest["dtype"]]
-    if dtype == "float32":
-        assert got.tokens == want_tokens
-    for row, (tokens, wanted) in enumerate(zip(got.tokens, want_tokens, strict=True)):
-        parted = next((step for step, pair in enumerate(zip(tokens, wanted, strict=True)) if pair[0] != pair[1]), None)
-        for step in range(NEW_TOKENS if parted is None else parted + 1):  # the logits until the rows part
-            assert difference(got.step_logits[step][row], want_logits[step][row], dtype) < tolerance
-        if parted is not None:
-            logits = want_logits[parted][row]
-            margin = logits[wanted[parted]] - logits[tokens[parted]]
-            assert margin <= 2 * tolerance * max(1.0, float(np.abs(logits).max())), f"row {row} parted at {parted}"
+    assert greedy_disagreement(got.tokens, want_tokens, got.step_logits, want_logits, manifest["dtype"]) is None
 
 
 def test_a_static_artifact_fills_its_buffer_to_the_last_slot(exported):

@@ -1,0 +1,50 @@
+"""Cache buffers of every element type the contract uses, bf16 included: numpy has no bf16, so a bf16 buffer
+is held on the host as its raw 16 bits (uint16) and handed to onnxruntime with the ONNX type named."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+
+BFLOAT16 = 16  # onnx.TensorProto.BFLOAT16 (the runtime does not import onnx)
+HOST_TYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "int64": np.int64}
+
+
+def element_type(dtype: str):
+    """What OrtValue and IOBinding take for a contract dtype: a numpy type, or bf16's ONNX type number."""
+    return BFLOAT16 if dtype == "bfloat16" else HOST_TYPES[dtype]
+
+
+def item_size(dtype: str) -> int:
+    return np.dtype(HOST_TYPES[dtype]).itemsize
+
+
+def from_host(array: np.ndarray, dtype: str, device: str) -> ort.OrtValue:
+    """A new buffer on `device` holding `array` (for bf16, its raw bits)."""
+    if dtype != "bfloat16":
+        return ort.OrtValue.ortvalue_from_numpy(array, device, 0)
+    value = ort.OrtValue.ortvalue_from_shape_and_type(array.shape, BFLOAT16, device, 0)
+    value.update_inplace(ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array, BFLOAT16))
+    return value
+
+
+def zeros(shape: list[int], dtype: str, device: str) -> ort.OrtValue:
+    return from_host(np.zeros(shape, HOST_TYPES[dtype]), dtype, device)
+
+
+def to_host(value: ort.OrtValue, dtype: str) -> np.ndarray:
+    """The buffer's contents on the host: on the CPU a float buffer is viewed in place, otherwise copied (see
+    `write_back`)."""
+    if dtype != "bfloat16":
+        return value.numpy()
+    host = np.empty(value.shape(), np.uint16)
+    ort.OrtValue.ortvalue_from_numpy_with_onnx_type(host, BFLOAT16).update_inplace(value)
+    return host
+
+
+def write_back(value: ort.OrtValue, host: np.ndarray, dtype: str, device: str) -> None:
+    """Put `host`, changed after `to_host`, back into `value`, unless it is a view of it already."""
+    if dtype == "bfloat16":
+        value.update_inplace(ort.OrtValue.ortvalue_from_numpy_with_onnx_type(host, BFLOAT16))
+    elif device != "cpu":
+        value.update_inplace(host)

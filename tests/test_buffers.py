@@ -1,0 +1,58 @@
+"""bf16 cache buffers, which numpy has no type for, reach onnxruntime as the values torch means by them."""
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+from onnx import TensorProto, helper
+
+from runtime import buffers
+
+
+def cast_to_float(shape):
+    """A CPU session reading a bf16 tensor and returning it as float32 (Cast runs in bf16 on the CPU)."""
+    graph = helper.make_graph(
+        [helper.make_node("Cast", ["x"], ["y"], to=TensorProto.FLOAT)], "cast",
+        [helper.make_tensor_value_info("x", TensorProto.BFLOAT16, shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], ir_version=10)
+    onnx.checker.check_model(model)
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def read(session, value: ort.OrtValue) -> np.ndarray:
+    binding = session.io_binding()
+    binding.bind_ortvalue_input("x", value)
+    binding.bind_output("y")
+    session.run_with_iobinding(binding)
+    return binding.copy_outputs_to_cpu()[0]
+
+
+def test_a_bf16_buffer_holds_torchs_bf16_values_and_takes_changes_made_on_the_host():
+    values = torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    bits = values.view(torch.int16).numpy().view(np.uint16)
+    value = buffers.from_host(bits, "bfloat16", "cpu")
+    session = cast_to_float([2, 3, 5])
+    assert value.data_type() == "tensor(bfloat16)"
+    np.testing.assert_array_equal(read(session, value), values.float().numpy())
+    held = buffers.to_host(value, "bfloat16")
+    held[:, :, 1:3] = held[:, :, 0:2]  # as a row move does
+    buffers.write_back(value, held, "bfloat16", "cpu")
+    moved = values.clone()
+    moved[:, :, 1:3] = values[:, :, 0:2]
+    np.testing.assert_array_equal(read(session, value), moved.float().numpy())
+    np.testing.assert_array_equal(read(session, buffers.zeros([2, 3, 5], "bfloat16", "cpu")), np.zeros((2, 3, 5)))
+
+
+def test_binding_a_bf16_buffer_by_address_reads_the_rows_asked_for():
+    """How the serving engine binds rows [first, first + count) of a cache buffer."""
+    values = torch.arange(30, dtype=torch.float32).view(3, 10).to(torch.bfloat16)
+    value = buffers.from_host(values.view(torch.int16).numpy().view(np.uint16), "bfloat16", "cpu")
+    session = cast_to_float([2, 10])
+    binding = session.io_binding()
+    row_bytes = 10 * buffers.item_size("bfloat16")
+    binding.bind_input("x", "cpu", 0, buffers.element_type("bfloat16"), [2, 10], value.data_ptr() + row_bytes)
+    binding.bind_output("y")
+    session.run_with_iobinding(binding)
+    np.testing.assert_array_equal(binding.copy_outputs_to_cpu()[0], values[1:].float().numpy())
