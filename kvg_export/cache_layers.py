@@ -352,6 +352,11 @@ class StaticLayer(GatedLayer):
         self._store_gates(key_states, value_states, gate_states, cache_kwargs)  # the window lies inside the buffer
         return self.keys, self.values, self.gates
 
+    def written(self, cache_position: torch.Tensor) -> None:
+        """Record slots that a kernel outside this cache wrote into its buffers (an onnxruntime session bound to
+        them in place), so that the filled length follows."""
+        self._check_positions(cache_position, cache_position.shape[0])
+
     def update_shift(self, key_shift=None, value_shift=None):
         previous = []
         for name, state in zip(SHIFT_FIELDS, (key_shift, value_shift), strict=True):

@@ -1,0 +1,174 @@
+"""transformers' `generate()` on an exported artifact: an onnxruntime session in the place of the model.
+
+`OnnxFoxForCausalLM.from_pretrained(artifact_folder)` gives the whole transformers generation API (greedy,
+sampling, beam search, logits processors, stopping criteria, streamers) over the artifact's graph. Its cache
+is this project's gated cache, whose torch tensors live on the session's device and are bound to the
+session by address (IOBinding), so nothing goes through host memory between steps:
+- a static artifact's keys, values and gates are one buffer each, bound as past and present, which the
+  graph writes in place; its shift states are copied back into their buffers after each step;
+- a dynamic artifact's presents are new tensors, `past + seq` long, that become the next step's pasts.
+Beam search reorders the cache's tensors (`reorder_cache`), as it does the eager model's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from kvg_export.cache import DynamicCache, GatedCache, StaticCache
+from kvg_export.cache_layers import DynamicLayer
+from kvg_export.fox.configuration import FoxConfig
+from runtime.artifact import Artifact, SessionOptions
+from runtime.buffers import element_type
+
+ATTRIBUTES = {"key": "keys", "value": "values", "gate": "gates", "key_shift": "key_shift",
+              "value_shift": "value_shift"}  # fmt: skip
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class OnnxFoxForCausalLM(PreTrainedModel, GenerationMixin):
+    config_class = FoxConfig
+    main_input_name = "input_ids"
+
+    def __init__(self, config: FoxConfig, artifact: Artifact):
+        super().__init__(config)
+        self.artifact = artifact
+        self.session_device = torch.device("cuda", 0) if artifact.device == "cuda" else torch.device("cpu")
+        self.fields = [name.split(".", 2)[2] for name in artifact.past_names() if name.startswith("past_key_values.0.")]
+        self.dtype_name = artifact.manifest["dtype"]
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path, provider: str = "auto", threads: int = 0):
+        """The artifact in `folder` on `provider` (auto: CUDA where it can run the graph, else the CPU); `threads`:
+        onnxruntime's intra-op threads (0: its default)."""
+        folder = Path(folder)
+        artifact = Artifact.open(folder, SessionOptions(provider, threads))
+        model = cls(FoxConfig.from_pretrained(folder), artifact)
+        if (folder / "generation_config.json").is_file():
+            model.generation_config = GenerationConfig.from_pretrained(folder)
+        return model.eval()
+
+    @property
+    def device(self) -> torch.device:
+        return self.session_device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return TORCH_DTYPES[self.dtype_name]
+
+    @property
+    def static(self) -> bool:
+        return self.artifact.static
+
+    def _prepare_cache_for_generation(
+        self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+    ):
+        """generate() gets the cache the artifact was exported for: static buffers of its length, allocated on the
+        session's device for every row (beams included), or a dynamic cache."""
+        if model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False:
+            rows = batch_size * max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
+            model_kwargs["past_key_values"] = self.new_cache(rows)
+
+    def new_cache(self, rows: int) -> GatedCache:
+        limit = self.artifact.manifest["cache"]["max_batch"]
+        if rows > limit:
+            raise ValueError(f"{rows} rows (batch times beams) exceed this artifact's max_batch {limit}; re-export it")
+        if not self.static:
+            return DynamicCache()
+        config = self.config
+        cache = StaticCache(config.num_hidden_layers, self.artifact.manifest["cache"]["max_cache_len"], rows)
+        shift = [ATTRIBUTES[f] for f in self.fields if f.endswith("shift")]
+        cache.early_initialization(
+            rows, config.kv_heads, config.num_heads, config.head_dim, self.dtype, self.device, shift=shift
+        )
+        return cache
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: GatedCache | None = None,
+        cache_position: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        """One step through the session: input_ids `[batch, seq]`, attention_mask `[batch, past + seq]` (the
+        attention window of a static cache), the cache (a new one when None) and the new tokens' slots."""
+        batch, seq = input_ids.shape
+        cache = past_key_values if past_key_values is not None else self.new_cache(batch)
+        filled = cache.get_seq_length()
+        if cache_position is None:
+            cache_position = torch.arange(filled, filled + seq)
+        if attention_mask is None:
+            attention_mask = torch.ones(batch, filled + seq, dtype=torch.long)
+        binding = self.artifact.session.io_binding()
+        held = [
+            self._bind(binding.bind_input, "input_ids", input_ids),
+            self._bind(binding.bind_input, "attention_mask", attention_mask),
+        ]
+        if self.static:
+            held.append(self._bind(binding.bind_input, "cache_position", cache_position))
+        logits = torch.empty(batch, seq, self.config.vocab_size, dtype=torch.float32, device=self.device)
+        self._bind(binding.bind_output, "logits", logits)
+        pasts, presents = self._layers(cache, batch), []
+        for index, layer in enumerate(pasts):
+            written = {}
+            for field in self.fields:
+                past = layer[field]
+                in_place = self.static and not field.endswith("shift")
+                present = past if in_place else torch.empty(self._present_shape(past, field, seq), dtype=past.dtype,
+                                                            device=self.device)  # fmt: skip
+                held.append(self._bind(binding.bind_input, f"past_key_values.{index}.{field}", past))
+                self._bind(binding.bind_output, f"present.{index}.{field}", present)
+                written[field] = present
+            presents.append(written)
+        self.artifact.session.run_with_iobinding(binding)
+        self._store(cache, presents, cache_position)
+        return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
+
+    def _bind(self, bind, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Bind `tensor` (moved to the session's device, contiguous) by address; return what was bound, which
+        must live until the run."""
+        tensor = tensor.to(self.device).contiguous()
+        dtype = {torch.int64: "int64", torch.float32: "float32", torch.float16: "float16",
+                 torch.bfloat16: "bfloat16"}[tensor.dtype]  # fmt: skip
+        device = "cuda" if tensor.is_cuda else "cpu"
+        bind(name, device, 0, element_type(dtype), list(tensor.shape), tensor.data_ptr())
+        return tensor
+
+    def _layers(self, cache: GatedCache, batch: int) -> list[dict[str, torch.Tensor]]:
+        """Each layer's past tensors by contract field; an empty dynamic cache's are zero-length."""
+        if cache.layers and cache.layers[0].keys is not None:
+            return [{f: getattr(layer, ATTRIBUTES[f]) for f in self.fields} for layer in cache.layers]
+        config, dtype = self.config, self.dtype
+        empty = {
+            "key": (config.kv_heads, 0, config.head_dim), "value": (config.kv_heads, 0, config.head_dim),
+            "gate": (config.num_heads, 0), "key_shift": (config.kv_heads * config.head_dim,),
+            "value_shift": (config.kv_heads * config.head_dim,),
+        }  # fmt: skip
+        return [
+            {f: torch.zeros(batch, *empty[f], dtype=torch.float32 if f == "gate" else dtype, device=self.device)
+             for f in self.fields}
+            for _ in range(config.num_hidden_layers)
+        ]  # fmt: skip
+
+    @staticmethod
+    def _present_shape(past: torch.Tensor, field: str, seq: int) -> tuple[int, ...]:
+        if field.endswith("shift"):
+            return tuple(past.shape)
+        return (*past.shape[:2], past.shape[2] + seq, *past.shape[3:])
+
+    def _store(self, cache: GatedCache, presents: list[dict], cache_position: torch.Tensor) -> None:
+        """Hand the step's presents to the cache: a static one was written in place but for its shift states,
+        and records the slots written; a dynamic one holds the new tensors."""
+        if self.static:
+            for layer, written in zip(cache.layers, presents, strict=True):
+                for field in self.fields:
+                    if field.endswith("shift"):
+                        getattr(layer, ATTRIBUTES[field]).copy_(written[field])
+                layer.written(cache_position)
+            return
+        cache.layers = [DynamicLayer.from_tensors(*(written.get(f) for f in ATTRIBUTES)) for written in presents]

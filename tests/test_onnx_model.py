@@ -1,0 +1,116 @@
+"""transformers' generate() on an artifact (OnnxFoxForCausalLM) against the eager model's, and `optimum-cli export
+onnx` on FoX models."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+from exporters.validate import TOLERANCES, difference, eager_generate
+from kvg_export.onnx_model import OnnxFoxForCausalLM
+from kvg_export.presets import load_model
+from runtime.artifact import SessionOptions
+from runtime.generator import GenerationConfig, Generator
+
+PRESETS = ("fox-tiny", "fox-pro-tiny", "fox-gqa-tiny", "fox-small", "fox-py", "fox-pro-py")
+NEW_TOKENS = 12
+OPTIMUM_CLI = Path(sys.executable).parent / "optimum-cli"
+
+
+def left_padded(vocab: int, lengths=(5, 11, 8), seed: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        ids[row, -length:] = torch.randint(3, vocab, (length,), generator=generator)
+        mask[row, -length:] = 1
+    return ids, mask
+
+
+def generate(model, ids, mask, **options):
+    with torch.no_grad():
+        return model.generate(
+            ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, pad_token_id=0,
+            return_dict_in_generate=True, output_logits=True, **options,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("preset", PRESETS)
+def test_generate_on_the_artifact_is_eager_generate(exported, preset, cache):
+    """Greedy and 4-beam search on a left-padded batch of 3: the same tokens as the eager model's generate(),
+    and greedy logits within the export's tolerance."""
+    model = OnnxFoxForCausalLM.from_pretrained(exported(preset, cache)[0].path, provider="cpu")
+    eager = load_model(preset)
+    ids, mask = left_padded(eager.config.vocab_size)
+    eager_options = {"cache_implementation": "static"} if cache == "static" else {}
+    want, got = generate(eager, ids, mask, **eager_options), generate(model, ids, mask)
+    assert torch.equal(got.sequences, want.sequences)
+    worst = max(difference(g, w, "float32") for g, w in zip(got.logits, want.logits, strict=True))
+    assert worst < TOLERANCES["float32"]
+    beams = {"num_beams": 4, "num_return_sequences": 2}
+    assert torch.equal(generate(model, ids, mask, **beams).sequences, generate(eager, ids, mask, **beams).sequences)
+
+
+class Collect(BaseStreamer):
+    def __init__(self):
+        self.steps = []
+
+    def put(self, value):
+        self.steps.append(value.tolist())
+
+    def end(self):
+        self.steps.append("end")
+
+
+def test_sampling_and_a_streamer_work_as_on_the_eager_model(exported):
+    """Seeded sampling draws what the eager model draws; a streamer gets the prompt, each token, then the end."""
+    model = OnnxFoxForCausalLM.from_pretrained(exported("fox-pro-tiny", "static")[0].path, provider="cpu")
+    eager = load_model("fox-pro-tiny")
+    ids = torch.tensor([[5, 6, 7, 8]])
+    sampled = []
+    for generator in (model, eager):
+        torch.manual_seed(3)
+        options = {"cache_implementation": "static"} if generator is eager else {}
+        sampled.append(generate(generator, ids, torch.ones_like(ids), do_sample=True, top_k=20, **options).sequences)
+    assert torch.equal(*sampled)
+    streamer = Collect()
+    out = generate(model, ids, torch.ones_like(ids), streamer=streamer).sequences
+    assert streamer.steps == [ids.tolist(), *([token] for token in out[0, 4:].tolist()), "end"]
+
+
+def test_too_many_rows_for_a_static_artifact_are_refused(exported):
+    path = exported("fox-tiny", "static")[0].path
+    model = OnnxFoxForCausalLM.from_pretrained(path, provider="cpu")
+    limit = json.loads((path / "kvg_config.json").read_text())["cache"]["max_batch"]
+    ids = torch.ones(limit // 2 + 1, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match=f"exceed this artifact's max_batch {limit}; re-export it"):
+        generate(model, ids, torch.ones_like(ids), num_beams=2)
+
+
+def test_optimum_cli_exports_a_fox_checkpoint_to_an_artifact_the_runtime_serves(tmp_path):
+    out = tmp_path / "artifact"
+    model = Path(__file__).resolve().parent.parent / "models" / "fox-pro-tiny"
+    task = ["--task", "text-generation-with-past"]
+    command = [str(OPTIMUM_CLI), "export", "onnx", "--model", str(model), *task, str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert json.loads((out / "kvg_config.json").read_text())["validation"]["passed"]
+    ids, mask = left_padded(load_model("fox-pro-tiny").config.vocab_size)
+    prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
+    want, _ = eager_generate(load_model("fox-pro-tiny"), prompts, NEW_TOKENS)
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+    assert Generator.open(out, SessionOptions(provider="cpu")).generate(prompts, config).tokens == want
+
+
+def test_optimum_cli_refuses_a_fox_export_without_the_cache_and_writes_nothing(tmp_path):
+    out = tmp_path / "a"
+    command = [str(OPTIMUM_CLI), "export", "onnx", "--model", "fox-tiny", "--task", "text-generation", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert "use --task text-generation-with-past" in result.stderr
+    assert list(tmp_path.iterdir()) == []
