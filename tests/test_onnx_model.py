@@ -94,15 +94,16 @@ def test_too_many_rows_for_a_static_artifact_are_refused(exported):
 
 def test_optimum_cli_exports_a_fox_checkpoint_to_an_artifact_the_runtime_serves(tmp_path):
     out = tmp_path / "artifact"
-    model = Path(__file__).resolve().parent.parent / "models" / "fox-pro-tiny"
+    model = Path(__file__).resolve().parent.parent / "models" / "fox-tiny"
     task = ["--task", "text-generation-with-past"]
     command = [str(OPTIMUM_CLI), "export", "onnx", "--model", str(model), *task, str(out)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     assert json.loads((out / "kvg_config.json").read_text())["validation"]["passed"]
-    ids, mask = left_padded(load_model("fox-pro-tiny").config.vocab_size)
+    eager = load_model("fox-tiny")
+    ids, mask = left_padded(eager.config.vocab_size)
     prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
-    want, _ = eager_generate(load_model("fox-pro-tiny"), prompts, NEW_TOKENS)
+    want, _ = eager_generate(eager, prompts, NEW_TOKENS)
     config = GenerationConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
     assert Generator.open(out, SessionOptions(provider="cpu")).generate(prompts, config).tokens == want
 

@@ -15,6 +15,7 @@ from runtime.generator import RESERVED_NEW_TOKENS, GenerationConfig, Generator
 
 PRESETS = ("fox-tiny", "fox-pro-tiny", "fox-gqa-tiny", "fox-small", "fox-py", "fox-pro-py")
 NEW_TOKENS = 64
+FP16_NEW_TOKENS = 16  # eager fp16 runs slowly on the CPU; a near-tie usually parts the rows before 64 anyway
 PROMPTS = {"single": [9], "left-padded-batch": [5, 11, 8]}
 
 
@@ -64,20 +65,20 @@ def test_fp16_gqa_artifacts_of_every_preset_generate_what_eager_fp16_generates(e
     preset, in one cache kind or the other, generates eager fp16's greedy tokens with its logits within the
     fp16 tolerance, up to a step where eager's two best tokens are closer than fp16 can tell apart (eager
     fp16 and fp32 already differ by 1.3e-2 on the trained presets), after which the rows may part."""
-    check_parity(exported, preset, cache, "left-padded-batch", "cpu", dtype="fp16")
+    check_parity(exported, preset, cache, "left-padded-batch", "cpu", dtype="fp16", new_tokens=FP16_NEW_TOKENS)
 
 
-def check_parity(exported, preset, cache, prompt_kind, provider, attention="auto", dtype="fp32"):
+def check_parity(exported, preset, cache, prompt_kind, provider, attention="auto", dtype="fp32", new_tokens=NEW_TOKENS):
     result, _ = exported(preset, cache, dtype, attention=attention, provider=provider)
     manifest = json.loads((result.path / "kvg_config.json").read_text())
     if provider == "cpu":  # what auto picks for CUDA is tested in test_export_artifact
         assert manifest["attention"] == ("gqa" if attention == "auto" else attention)
     model = load_model(preset, dtype=DTYPES[dtype])
     prompts = random_prompts(PROMPTS[prompt_kind], model.config.vocab_size, seed=len(preset))
-    want_tokens, want_logits = eager_generate(model, prompts, NEW_TOKENS)
+    want_tokens, want_logits = eager_generate(model, prompts, new_tokens)
     generator = Generator.open(result.path, SessionOptions(provider=provider))
     assert generator.artifact.device == provider
-    config = GenerationConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+    config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens)
     got = generator.generate(prompts, config, keep_logits=True)
     assert greedy_disagreement(got.tokens, want_tokens, got.step_logits, want_logits, manifest["dtype"]) is None
 
