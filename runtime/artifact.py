@@ -139,7 +139,8 @@ def open_session(folder: Path, manifest: dict, options: SessionOptions) -> ort.I
     try:
         session = ort.InferenceSession(str(model_path), settings, providers=providers)
     except Exception as error:  # onnxruntime's own exception types: a corrupt or unreadable graph
-        cause = "; the CPU provider took over from a CUDA provider that did not start" if cuda_required else ""
+        fallback = " (if CUDA did not start here, the CPU provider that took over cannot run this graph)"
+        cause = fallback if cuda_required else ""
         raise ArtifactError(f"onnxruntime cannot load {model_path}: {error}{cause}") from None
     finally:
         ort.set_default_logger_severity(2)
