@@ -196,11 +196,17 @@ def _failure(entry: StepReport, logits, eager_next, onnx_next: list, tolerance: 
         return f"{entry.step}: onnxruntime logits differ by {entry.onnx_logits:.2e} > {tolerance:.0e}"
     if entry.worst_present_diff > tolerance:
         return f"{entry.step}: {entry.worst_present} differs by {entry.worst_present_diff:.2e} > {tolerance:.0e}"
-    rows, scale = torch.arange(logits.shape[0]), logits.abs().max().clamp(min=1) if scaled else 1.0
+    rows, noise = torch.arange(logits.shape[0]), tie_margin(logits.float().numpy(), tolerance, scaled)
     margins = [(logits[rows, eager_next] - logits[rows, chosen]).float() for chosen in onnx_next]
-    if any(bool((margin > 2 * tolerance * scale).any()) for margin in margins):
+    if any(bool((margin > noise).any()) for margin in margins):
         return f"{entry.step}: onnxruntime's greedy token differs from eager's by a margin above the tolerance"
     return None
+
+
+def tie_margin(logits: np.ndarray, tolerance: float, scaled: bool) -> float:
+    """How close eager's two best logits may be for a system within `tolerance` to pick the other one: twice
+    the tolerance, on the logits' scale for half-precision models (see TOLERANCES)."""
+    return 2 * tolerance * (max(1.0, float(np.abs(logits).max())) if scaled else 1.0)
 
 
 def greedy_disagreement(got_tokens, want_tokens, got_logits, want_logits, dtype: str) -> str | None:
@@ -218,8 +224,7 @@ def greedy_disagreement(got_tokens, want_tokens, got_logits, want_logits, dtype:
             continue
         logits = np.asarray(want_logits[parted][row], dtype=np.float32)
         margin = logits[wanted[parted]] - logits[tokens[parted]]
-        scale = max(1.0, float(np.abs(logits).max())) if dtype in SCALED_DTYPES else 1.0
-        if dtype not in SCALED_DTYPES or margin > 2 * tolerance * scale:
+        if dtype not in SCALED_DTYPES or margin > tie_margin(logits, tolerance, scaled=True):
             return f"row {row}, step {parted}: token {tokens[parted]}, eager's {wanted[parted]} (margin {margin:.2e})"
     return None
 

@@ -27,6 +27,7 @@ from runtime.buffers import element_type
 ATTRIBUTES = {"key": "keys", "value": "values", "gate": "gates", "key_shift": "key_shift",
               "value_shift": "value_shift"}  # fmt: skip
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+CONTRACT_DTYPES = {torch_dtype: name for name, torch_dtype in TORCH_DTYPES.items()} | {torch.int64: "int64"}
 
 
 class OnnxFoxForCausalLM(PreTrainedModel, GenerationMixin):
@@ -133,10 +134,8 @@ class OnnxFoxForCausalLM(PreTrainedModel, GenerationMixin):
         """Bind `tensor` (moved to the session's device, contiguous) by address; return what was bound, which
         must live until the run."""
         tensor = tensor.to(self.device).contiguous()
-        dtype = {torch.int64: "int64", torch.float32: "float32", torch.float16: "float16",
-                 torch.bfloat16: "bfloat16"}[tensor.dtype]  # fmt: skip
         device = "cuda" if tensor.is_cuda else "cpu"
-        bind(name, device, 0, element_type(dtype), list(tensor.shape), tensor.data_ptr())
+        bind(name, device, 0, element_type(CONTRACT_DTYPES[tensor.dtype]), list(tensor.shape), tensor.data_ptr())
         return tensor
 
     def _layers(self, cache: GatedCache, batch: int) -> list[dict[str, torch.Tensor]]:
