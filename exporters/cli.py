@@ -38,9 +38,10 @@ def _add_quantization(parser: argparse.ArgumentParser) -> None:
                        help="512-token windows of held-out text to judge on (0: all; default %(default)s)")  # fmt: skip
     group.add_argument("--quality-text", type=Path, action="append",
                        help="judge on these files or folders, not the stdlib test split (repeatable)")  # fmt: skip
-    limits = ", ".join(f"int{b}: {t.max_relative_perplexity_diff:.0%} and {t.min_top1_agreement:.0%}"
+    limits = ", ".join(f"int{b}: {t.max_relative_perplexity_diff:.1%} and {t.min_top1_agreement:.0%}"
                        for b, t in export.QUALITY_THRESHOLDS.items())  # fmt: skip
-    group.add_argument("--max-perplexity-diff", type=float, help=f"relative, against eager fp32 ({limits})")
+    help_text = f"relative, against eager fp32 ({limits})".replace("%", "%%")  # argparse formats help with %
+    group.add_argument("--max-perplexity-diff", type=float, help=help_text)
     group.add_argument("--min-agreement", type=float, help="smallest top-1 agreement with eager fp32")
 
 
