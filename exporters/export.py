@@ -243,7 +243,8 @@ def _build(options: ExportOptions, staging: Path, log: Callable[[str], None]) ->
         log, "lower", lambda: lower_to_onnx(program, example, layout, model_path, options.opset, external, keep_apart,
                                         options.attention),
         lambda fused: f"ONNX opset {options.opset}, {fused[0]} fewer MatMuls (projections joined), "
-        f"{fused[1]} residual adds joined with their norms" + (", weights as external data" if external else ""),
+        f"{fused[1]} residual adds joined with their norms, {fused[2]} fewer forget-gate nodes"
+        + (", weights as external data" if external else ""),
     )  # fmt: skip
     files = {name: name for name in COPIED_FILES if (checkpoint / name).is_file()}
     manifest = build_manifest(

@@ -19,6 +19,7 @@ from torch.export import Dim, ExportedProgram
 from exporters.contract import CacheLayout, cache_shape
 from exporters.fuse_norms import fuse_residual_norms
 from exporters.fuse_projections import fuse_projections
+from exporters.lean_gates import lean_gates
 from exporters.translations import translations
 from exporters.wrappers import ExportableFox
 from kvg_export import FoxForCausalLM
@@ -117,11 +118,12 @@ def name_by_module(graph: ir.Graph) -> None:
 def lower_to_onnx(
     program: ExportedProgram, example: tuple, layout: CacheLayout, path: Path, opset: int, external_data: bool,
     keep_apart: Callable[[str], bool] = lambda module: False, attention: str = "gqa",
-) -> tuple[int, int]:  # fmt: skip
+) -> tuple[int, int, int]:  # fmt: skip
     """Write `path`: the ONNX graph with contract names and named axes, weights beside it if `external_data`;
     returns how many projections were joined into others (see `fuse_projections`; modules `keep_apart` names
-    are not joined) and how many residual adds into the norms after them (see `fuse_norms`). `attention` picks
-    the lowering of in-place attention (see `translations`)."""
+    are not joined), how many residual adds into the norms after them (see `fuse_norms`) and how many nodes
+    the forget-gate rewrites took out (see `lean_gates`). `attention` picks the lowering of in-place
+    attention (see `translations`)."""
     # Quiet the exporter's notes that concern other libraries (torchvision ops, a pytree deprecation in torch).
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
     with warnings.catch_warnings():
@@ -144,5 +146,6 @@ def lower_to_onnx(
     name_by_module(graph)
     joined = fuse_projections(graph, lambda node: keep_apart(node.name))
     norms = fuse_residual_norms(onnx_program.model)
+    leaner = lean_gates(onnx_program.model)
     onnx_program.save(str(path), external_data=external_data)
-    return joined, norms
+    return joined, norms, leaner
