@@ -1,17 +1,19 @@
-"""FoX's forget-gate terms in fewer nodes: two exact rewrites of what torch.onnx writes for them.
+"""FoX's forget-gate terms in fewer and cheaper nodes: two exact rewrites of what torch.onnx writes for them.
 
 Each layer of a decode step computes its new log gates and the row of gate sums its attention adds to the
-scores. Beside the matrix products these are tiny tensors (one float per head and position), so a step
-pays for them per node, not per byte, and they are most of what a FoX graph runs beyond a LLaMA's.
+scores. Beside the matrix products these are tiny tensors (one float per head and position), so what they
+cost is each node's fixed work, which differs by kernel: on this project's 2-core machine a lone broadcast
+Where over 8 heads x 193 positions took 3.4 µs above a trivial node, an Add 2.2, a CumSum 6.3, and a
+Gather of the window 13.5 against 1.6 for the Slice it could replace (so that rewrite is not made).
 
 - The log gate `-softplus(-(z + b)) * keep` (z the forget-gate projection, b its bias, keep the new
   tokens' padding mask) is written by torch.onnx as Add, Neg, Softplus, Neg and Mul. It becomes
   `softplus((-b) - z) * (-keep)`: Sub, Softplus and Mul, with -b a constant and -keep one node that
   every layer shares. Bit for bit the same: IEEE rounding is symmetric, so -(z + b) and (-b) - z round
   alike, and so do -(s * k) and s * (-k).
-- The window's gate sums `Unsqueeze(CumSum(Slice(gates)))`, a `[batch, heads, 1, window]` row for the
-  attention bias, become `CumSum(Gather(gates, [[0 .. window-1]]))`: the Gather's 2-D index adds the
-  query axis as it copies the window out.
+- The masked bias `Where(allowed, bias, lowest)` becomes `bias + Where(allowed, 0, lowest)`, the mask
+  computed once for every layer: an Add a layer where there was a Where. Bit for bit the same: bias + 0 is
+  bias, and bias + lowest rounds to lowest for any bias a gate sum or a score reaches.
 """
 
 from __future__ import annotations
@@ -40,44 +42,31 @@ def _lean_log_gate(op, logits, bias, keep):
     return op.Mul(op.Softplus(op.Transpose(op.Sub(negated, logits), perm=[0, 2, 1])), op.Neg(keep))
 
 
-def _window_decay(op, gates, starts, ends, axes, steps, cumsum_axis, query_axis):
-    window = op.Slice(gates, starts, ends, axes, steps)
-    return op.Unsqueeze(op.CumSum(window, cumsum_axis, exclusive=1, reverse=1), query_axis)
+def _masked_bias(op, allowed, bias, lowest):
+    return op.Where(allowed, bias, lowest)
 
 
-def _ints(value: ir.Value) -> list[int] | None:
-    return None if value.const_value is None else np.asarray(value.const_value.numpy()).reshape(-1).tolist()
-
-
-def _slices_last_axis_from_zero(context, gates, starts, ends, axes, steps, cumsum_axis, query_axis) -> bool:
-    """A `[batch, heads, buffer]` gate buffer cut to its first `ends` slots and summed along them, the
-    query axis then inserted before them."""
-    last = {2, -1}
+def _masks_with_float32_min(context, allowed, bias, lowest) -> bool:
+    """float32 scores and biases masked with float32's lowest value, which swallows any bias a gate sum or a
+    score reaches (x + lowest rounds to lowest for |x| < 2^103)."""
+    value = lowest.const_value
     return (
-        gates.shape is not None
-        and len(gates.shape) == 3
-        and _ints(starts) == [0]
-        and _ints(steps) == [1]
-        and len(_ints(axes) or []) == 1
-        and _ints(axes)[0] in last
-        and len(_ints(cumsum_axis) or []) == 1
-        and _ints(cumsum_axis)[0] in last
-        and _ints(query_axis) == [2]
+        bias.dtype == ir.DataType.FLOAT
+        and bias.const_value is None  # not the mask this rewrite writes
+        and value is not None
+        and value.numpy().size == 1
+        and float(value.numpy().reshape(())) == float(np.finfo(np.float32).min)
     )
 
 
-def _gathered_window_decay(op, gates, starts, ends, axes, steps, cumsum_axis, query_axis):
-    def constant(role: str, value: int | list[int]):  # merged with the other layers' by `lean_gates`
-        return op.initializer(ir.tensor(np.array(value, np.int64)), name=f"{gates.name}.{role}")
-
-    slots = op.Range(constant("first_slot", 0), op.Squeeze(ends), constant("slot_step", 1))
-    window = op.Gather(gates, op.Unsqueeze(slots, constant("query_axis", [0])), axis=2)
-    return op.CumSum(window, constant("slot_axis", -1), exclusive=1, reverse=1)
+def _added_mask(op, allowed, bias, lowest):
+    zero = op.initializer(ir.tensor(np.zeros((), np.float32)), name=f"{bias.name}.allowed")
+    return op.Add(bias, op.Where(allowed, zero, lowest))
 
 
 LEAN_GATES = [
     RewriteRule(_log_gate, _lean_log_gate, _constant_bias, name="log gate"),
-    RewriteRule(_window_decay, _gathered_window_decay, _slices_last_axis_from_zero, name="window decay"),
+    RewriteRule(_masked_bias, _added_mask, _masks_with_float32_min, name="masked bias"),
 ]
 
 

@@ -4,12 +4,11 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import onnxruntime as ort
-import pytest
 
 from exporters.lean_gates import lean_gates
 
 BATCH, HEADS, BUFFER = 2, 3, 9
-FLOAT, INT64 = ir.DataType.FLOAT, ir.DataType.INT64
+FLOAT = ir.DataType.FLOAT
 
 
 def graph_of(inputs: dict[str, tuple[ir.DataType, list]], constants: dict[str, np.ndarray], build) -> ir.Model:
@@ -64,23 +63,15 @@ def log_gate_model(bias: np.ndarray) -> ir.Model:
     )
 
 
-def window_decay_model() -> ir.Model:
-    """The row of gate sums after each key of the mask's window, as `_attend_in_place` is exported."""
+LOWEST = np.finfo(np.float32).min
+
+
+def masked_bias_model(fill: float = LOWEST) -> ir.Model:
+    """The gate-sum row masked where a key is not allowed, as the in-place attention's lowering writes it."""
     return graph_of(
-        {"gates": (FLOAT, [BATCH, HEADS, BUFFER]), "mask": (INT64, [BATCH, "window"])},
-        {
-            "zero": np.array([0]),
-            "one": np.array([1]),
-            "last": np.array([2]),
-            "sum_axis": np.array(-1),
-            "query_axis": np.array([2]),
-        },
-        lambda v: [
-            shape := ir.node("Shape", [v["mask"]], {"start": 1, "end": 2}),
-            cut := ir.node("Slice", [v["gates"], v["zero"], shape.outputs[0], v["last"], v["one"]]),
-            summed := ir.node("CumSum", [cut.outputs[0], v["sum_axis"]], {"exclusive": 1, "reverse": 1}),
-            ir.node("Unsqueeze", [summed.outputs[0], v["query_axis"]]),
-        ],
+        {"allowed": (ir.DataType.BOOL, [BATCH, 1, 2, BUFFER]), "bias": (FLOAT, [BATCH, HEADS, 1, BUFFER])},
+        {"lowest": np.array(fill, np.float32)},
+        chain(("Where", ["allowed", "bias", "lowest"], {})),
     )
 
 
@@ -101,31 +92,25 @@ def test_the_log_gate_loses_both_negations_and_keeps_every_bit():
     np.testing.assert_allclose(after, expected, rtol=1e-6, atol=1e-30)
 
 
-@pytest.mark.parametrize("window", [1, 5, BUFFER])
-def test_the_window_decay_is_gathered_with_its_query_axis_and_sums_alike(window):
-    rng = np.random.default_rng(window)
-    gates = -rng.exponential(1.0, (BATCH, HEADS, BUFFER)).astype(np.float32)
-    feeds = {"gates": gates, "mask": np.ones((BATCH, window), np.int64)}
-    before = run(window_decay_model(), feeds)
-    model = window_decay_model()
-    lean_gates(model)
-    ops = [node.op_type for node in model.graph]
-    assert "Slice" not in ops and "Unsqueeze" in ops and ops.count("CumSum") == 1
-    assert next(n for n in model.graph if n.op_type == "CumSum").inputs[0].producer().op_type == "Gather"
+def test_the_masked_bias_becomes_an_add_of_one_shared_mask_and_keeps_every_bit():
+    rng = np.random.default_rng(1)
+    bias = np.cumsum(-rng.exponential(30.0, (BATCH, HEADS, 1, BUFFER)), axis=-1).astype(np.float32)[..., ::-1]
+    allowed = rng.random((BATCH, 1, 2, BUFFER)) < 0.6
+    allowed[..., 0] = True  # every query is allowed a key
+    feeds = {"allowed": allowed, "bias": np.ascontiguousarray(bias)}
+    before = run(masked_bias_model(), feeds)
+    model = masked_bias_model()
+    assert lean_gates(model) == -1  # Where becomes Where (of the mask) and Add: one more node, in every layer shared
+    assert sorted(node.op_type for node in model.graph) == ["Add", "Where"]
     after = run(model, feeds)
     np.testing.assert_array_equal(after, before)
-    held = gates[..., :window].astype(np.float64)
-    after_each = np.array([[[held[b, h, j + 1 :].sum() for j in range(window)] for h in range(HEADS)]
-                           for b in range(BATCH)])  # fmt: skip
-    np.testing.assert_allclose(after[:, :, 0], after_each, rtol=1e-6, atol=1e-6)
-    assert after.shape == (BATCH, HEADS, 1, window)
+    np.testing.assert_array_equal(after, np.where(allowed, bias, LOWEST))
 
 
-def test_a_slice_that_does_not_start_at_the_first_slot_is_left_alone():
-    model = window_decay_model()
-    model.graph.initializers["zero"].const_value = ir.tensor(np.array([1]), name="zero")
+def test_a_mask_that_is_not_float32s_lowest_is_left_alone():
+    model = masked_bias_model(fill=-1e9)  # bias + fill would not round to fill
     assert lean_gates(model) == 0
-    assert [node.op_type for node in model.graph] == ["Shape", "Slice", "CumSum", "Unsqueeze"]
+    assert [node.op_type for node in model.graph] == ["Where"]
 
 
 def test_an_exported_gqa_graph_runs_each_layers_gates_in_the_lean_form(exported):
@@ -136,5 +121,7 @@ def test_an_exported_gqa_graph_runs_each_layers_gates_in_the_lean_form(exported)
     softplus = [node for node in graph.node if node.op_type == "Softplus"]
     assert len(softplus) == layers and all(producers[n.input[0]].op_type == "Transpose" for n in softplus)
     assert sum(1 for node in graph.node if node.op_type == "Neg") == 1  # -keep, shared
-    sums = [node for node in graph.node if node.op_type == "CumSum"]
-    assert len(sums) == layers and all(producers[n.input[0]].op_type == "Gather" for n in sums)
+    masked = [node for node in graph.node if node.op_type == "GroupQueryAttention"]
+    added = [producers[n.input[10]] for n in masked]  # attention_bias (fp32: no CastLike left)
+    assert [node.op_type for node in added] == ["Add"] * layers
+    assert len({node.input[1] for node in added}) == 1  # one mask for every layer
