@@ -120,7 +120,9 @@ def table(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--models", nargs="+", default=["fox-small", "fox-mini"])
-    parser.add_argument("--quantize", nargs="+", default=["fp32", "int4"], help="fp32, int8, int4 or int4-hqq")
+    parser.add_argument(
+        "--quantize", nargs="+", default=["fp32", "int4"], help="fp32, int8, int4, int4-sym or int4-hqq"
+    )
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds timing the forget gates' cost")
     parser.add_argument("--no-peers", dest="peers", action="store_false", help="leave out the forget gates' cost")

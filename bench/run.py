@@ -26,7 +26,8 @@ RESULTS = HERE / "results"
 MAIN_STATIC_LENGTH = 512
 # Runtime systems: the artifact each runs, as (cache, max_cache_len, attention, quantization). "runtime-dynamic"
 # and "runtime-static" are what fp32 exports give by default (GroupQueryAttention); "-standard" the portable
-# graph; "-int8" and "-int4" the default export quantized (`--quantize int8|int4`).
+# graph; "-int8" and "-int4" the default export quantized (`--quantize int8|int4`); "-int4-sym" with symmetric
+# weights, onnxruntime-genai's own int4 recipe (its builder writes MatMulNBits without zero points).
 RUNTIME_ARTIFACTS = {
     "runtime-dynamic": ("dynamic", None, "gqa", None),
     "runtime-dynamic-standard": ("dynamic", None, "standard", None),
@@ -34,6 +35,7 @@ RUNTIME_ARTIFACTS = {
     "runtime-static-standard": ("static", MAIN_STATIC_LENGTH, "standard", None),
     "runtime-dynamic-int8": ("dynamic", None, "gqa", "int8"),
     "runtime-dynamic-int4": ("dynamic", None, "gqa", "int4"),
+    "runtime-dynamic-int4-sym": ("dynamic", None, "gqa", "int4-sym"),
     "runtime-dynamic-int4-hqq": ("dynamic", None, "gqa", "int4-hqq"),  # float zero points: another kernel path
 }
 FP32_RUNTIME = "runtime-dynamic"  # what the quantized systems are compared with, round by round
@@ -99,7 +101,7 @@ def settle(pid: int) -> None:
 
 def artifact(model: str, cache: str, length: int | None, attention: str, quantize: str | None = None) -> str:
     """An exported artifact for the benchmark, made once and kept in bench/.artifacts. A quantized one
-    (`quantize` "int8", "int4" or "int4-hqq") is judged as any quantized export is, against the default
+    (`quantize` "int8", "int4", "int4-sym" or "int4-hqq") is judged as any quantized export is, against the default
     thresholds; a random-weight preset's on perplexity alone, as its top-1 ranking is noise."""
     from exporters.evaluate import Thresholds
     from exporters.export import QUALITY_THRESHOLDS, ExportOptions, QualityOptions, export_artifact
@@ -112,8 +114,9 @@ def artifact(model: str, cache: str, length: int | None, attention: str, quantiz
         print(f"exporting {out.name} ...", flush=True)
         quantization, quality = None, QualityOptions()
         if quantize:
-            bits, _, method = quantize.partition("-")
-            quantization = Quantization(BITS[bits], method=method or "rtn")
+            bits, _, variant = quantize.partition("-")
+            method = "hqq" if variant == "hqq" else "rtn"
+            quantization = Quantization(BITS[bits], method=method, symmetric=variant == "sym")
             if "seed" in json.loads((preset_folder(model) / "preset.json").read_text()):  # random weights
                 quality.thresholds = Thresholds(QUALITY_THRESHOLDS[BITS[bits]].max_relative_perplexity_diff, 0.0)
         options = ExportOptions(model, out, cache, "fp32", length, force=True, attention=attention,

@@ -1,0 +1,75 @@
+"""Before and after: the decode speed of artifact folders side by side, in one interleaved run.
+
+    python bench/compare.py BEFORE AFTER [...] [--genai fox-small:int4] [--rounds 15]
+
+For an exporter change, export one preset before and after it into two folders and compare them here. Each
+artifact (and, with `--genai`, onnxruntime-genai on the same-size LLaMA at that precision) runs in its own
+worker process, as in `make bench`: batch 1, a 128-token prompt, `--new-tokens` greedy tokens, rounds
+interleaved after a warm-up, each run started once the previous worker has gone quiet. Prints each one's
+median decode tokens/s and its ratio to the first folder's, taken round by round (min to max over the
+rounds), and the node count onnxruntime's optimizer leaves in each graph.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import onnx
+import onnxruntime as ort
+import peers
+from run import Worker
+
+
+def optimized_nodes(folder: str) -> int:
+    """Nodes in the graph onnxruntime runs on the CPU, after its optimizer."""
+    with tempfile.TemporaryDirectory() as scratch:
+        options = ort.SessionOptions()
+        options.optimized_model_filepath = str(Path(scratch) / "optimized.onnx")
+        options.log_severity_level = 3  # its warning on saving a graph with machine-specific fusions
+        ort.InferenceSession(str(Path(folder) / "model.onnx"), options, providers=["CPUExecutionProvider"])
+        return len(onnx.load(options.optimized_model_filepath, load_external_data=False).graph.node)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("folders", nargs="+", help="artifact folders; ratios are to the first")
+    parser.add_argument("--genai", metavar="MODEL:PRECISION", help="add onnxruntime-genai, e.g. fox-small:int4")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    args = parser.parse_args(argv)
+    threads = os.cpu_count()
+    workers = {folder: Worker("runtime", folder, threads) for folder in args.folders}
+    nodes = {folder: str(optimized_nodes(folder)) for folder in args.folders}
+    if args.genai:
+        model, precision = args.genai.split(":")
+        genai = str(peers.genai_model(model, precision, threads))
+        workers[f"genai {args.genai}"] = Worker("genai", genai, threads, str(peers.genai_python()))
+        nodes[f"genai {args.genai}"] = str(optimized_nodes(genai))
+    speeds = {name: [] for name in workers}
+    request = {"batch": 1, "prompt": 128, "new_tokens": args.new_tokens}
+    try:
+        for index in range(args.rounds + 1):
+            for name, worker in workers.items():
+                speed = worker.ask(request)["decode_tokens_per_s"]
+                if index:  # the first round warms up
+                    speeds[name].append(speed)
+    finally:
+        for worker in workers.values():
+            worker.close()
+    first = speeds[args.folders[0]]
+    print(f"median of {args.rounds} interleaved rounds, batch 1, {threads} threads")
+    print("| system | nodes run | decode tok/s | vs first (min to max) |\n|---|---:|---:|---:|")
+    for name, runs in speeds.items():
+        ratios = [run / base for run, base in zip(runs, first, strict=True)]
+        print(f"| {name} | {nodes[name]} | {statistics.median(runs):.1f} | "
+              f"{statistics.median(ratios):.3f} ({min(ratios):.2f} to {max(ratios):.2f}) |")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
