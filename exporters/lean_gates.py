@@ -2,9 +2,10 @@
 
 Each layer of a decode step computes its new log gates and the row of gate sums its attention adds to the
 scores. Beside the matrix products these are tiny tensors (one float per head and position), so what they
-cost is each node's fixed work, which differs by kernel: on this project's 2-core machine a lone broadcast
-Where over 8 heads x 193 positions took 3.4 µs above a trivial node, an Add 2.2, a CumSum 6.3, and a
-Gather of the window 13.5 against 1.6 for the Slice it could replace (so that rewrite is not made).
+cost is each kernel's fixed work, which differs by kernel more than node counts suggest (bench/op_costs.py;
+at fox-small's decode shapes a broadcast Where took 4.7 µs above a trivial node, an Add 2.7, a CumSum 7.0,
+and a Gather of the window 16.3 against 3.1 for the Slice and Unsqueeze it could replace, so that rewrite
+is not made).
 
 - The log gate `-softplus(-(z + b)) * keep` (z the forget-gate projection, b its bias, keep the new
   tokens' padding mask) is written by torch.onnx as Add, Neg, Softplus, Neg and Mul. It becomes
