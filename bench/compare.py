@@ -22,7 +22,7 @@ from pathlib import Path
 import onnx
 import onnxruntime as ort
 import peers
-from run import Worker
+from run import Worker, interleaved_decode_speeds
 
 
 def optimized_nodes(folder: str) -> int:
@@ -50,17 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         genai = str(peers.genai_model(model, precision, threads))
         workers[f"genai {args.genai}"] = Worker("genai", genai, threads, str(peers.genai_python()))
         nodes[f"genai {args.genai}"] = str(optimized_nodes(genai))
-    speeds = {name: [] for name in workers}
-    request = {"batch": 1, "prompt": 128, "new_tokens": args.new_tokens}
-    try:
-        for index in range(args.rounds + 1):
-            for name, worker in workers.items():
-                speed = worker.ask(request)["decode_tokens_per_s"]
-                if index:  # the first round warms up
-                    speeds[name].append(speed)
-    finally:
-        for worker in workers.values():
-            worker.close()
+    speeds = interleaved_decode_speeds(workers, args.rounds, args.new_tokens)
     first = speeds[args.folders[0]]
     print(f"median of {args.rounds} interleaved rounds, batch 1, {threads} threads")
     print("| system | nodes run | decode tok/s | vs first (min to max) |\n|---|---:|---:|---:|")

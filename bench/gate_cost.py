@@ -16,7 +16,7 @@ from pathlib import Path
 
 import onnx_ir as ir
 from onnxscript.optimizer import remove_unused_nodes
-from run import Worker
+from run import Worker, interleaved_decode_speeds
 
 ATTENTION_BIAS = 10  # GroupQueryAttention's input index of attention_bias
 
@@ -54,17 +54,7 @@ def gate_cost(folder: str, genai_folder: str, genai_python: str, threads: int, r
             "artifact": Worker("runtime", folder, threads),
             "without gates": Worker("runtime", str(bare), threads),
         }
-        speeds = {name: [] for name in workers}
-        try:
-            request = {"batch": 1, "prompt": 128, "new_tokens": new_tokens}
-            for index in range(rounds + 1):
-                for name, worker in workers.items():
-                    speed = worker.ask(request)["decode_tokens_per_s"]
-                    if index:  # the first round warms up
-                        speeds[name].append(speed)
-        finally:
-            for worker in workers.values():
-                worker.close()
+        speeds = interleaved_decode_speeds(workers, rounds, new_tokens)
     return {
         "nodes_without_gates": nodes,
         "decode_tokens_per_s": {name: statistics.median(runs) for name, runs in speeds.items()},

@@ -84,6 +84,23 @@ class Worker:
         return final
 
 
+def interleaved_decode_speeds(workers: dict[str, Worker], rounds: int, new_tokens: int) -> dict[str, list[float]]:
+    """Each worker's decode tokens/s at batch 1 (a 128-token prompt) in `rounds` interleaved rounds after a
+    warm-up one; the workers are closed after."""
+    speeds = {name: [] for name in workers}
+    try:
+        request = {"batch": 1, "prompt": 128, "new_tokens": new_tokens}
+        for index in range(rounds + 1):
+            for name, worker in workers.items():
+                speed = worker.ask(request)["decode_tokens_per_s"]
+                if index:  # the first round warms up
+                    speeds[name].append(speed)
+    finally:
+        for worker in workers.values():
+            worker.close()
+    return speeds
+
+
 def settle(pid: int) -> None:
     """Return once a process's threads have stopped spinning. After a run onnxruntime's pool keeps a core
     busy for about 50 ms and torch's OpenMP threads for about 10, which on a 2-core machine would slow
