@@ -73,8 +73,8 @@ LEAN_GATES = [
 
 def lean_gates(model: ir.Model) -> int:
     """Rewrite every layer's gate terms in place; returns how many nodes that took out. The rewrites write
-    each layer its own -keep and window index; equal constants and then identical nodes are merged, so every
-    layer reads one."""
+    each layer its own -keep and additive mask; equal constants and then identical nodes are merged, so every
+    layer reads one of each."""
     before = len(model.graph)
     rewrite(model, LEAN_GATES)
     for each in (DeduplicateInitializersPass(), CommonSubexpressionEliminationPass(), RemoveUnusedNodesPass()):
