@@ -44,7 +44,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $@
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadfile
 
 export: setup
 	$(EXPORT) $(if $(FORCE),--force)

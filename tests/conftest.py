@@ -1,7 +1,11 @@
-"""Shared test set-up: CUDA-marked tests skip without a GPU; exported artifacts are made once per session."""
+"""Shared test set-up: CUDA-marked tests skip without a GPU; exported artifacts are made once per run."""
+
+import os
+import pickle
 
 import pytest
 import torch
+from filelock import FileLock
 
 from exporters.export import ExportOptions, check_options, export_artifact
 
@@ -20,7 +24,11 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def exported(tmp_path_factory):
     """exported(preset, cache, dtype="fp32", attention="auto", provider="cpu") -> (ExportResult, progress
-    lines), each exported (and validated on `provider`) once."""
+    lines), each exported (and validated on `provider`) once per run: `make test` runs the tests in several
+    pytest-xdist workers, and the first worker to need an artifact exports it, under a file lock, for all."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the run's folder, above each worker's own
     made = {}
 
     def export(preset: str, cache: str, dtype: str = "fp32", attention: str = "auto", provider: str = "cpu"):
@@ -30,11 +38,16 @@ def exported(tmp_path_factory):
         attention = check_options(options).attention
         key = (preset, cache, dtype, attention, provider)  # "auto" as what it resolves to: one export for both
         if key not in made:
-            out = tmp_path_factory.mktemp("artifacts") / "-".join(key)
-            lines = []
-            options = ExportOptions(preset, out, cache, dtype, length, provider=provider, attention=attention)
-            result = export_artifact(options, log=lines.append)
-            made[key] = (result, lines)
+            name = "-".join(key)
+            record, out = shared / "artifacts" / f"{name}.pickle", shared / "artifacts" / name / name
+            out.parent.mkdir(parents=True, exist_ok=True)  # a folder of its own: nothing else may be beside it
+            with FileLock(shared / "artifacts" / f"{name}.lock"):
+                if not record.exists():
+                    lines = []
+                    options = ExportOptions(preset, out, cache, dtype, length, provider=provider, attention=attention)
+                    result = export_artifact(options, log=lines.append)
+                    record.write_bytes(pickle.dumps((result, lines)))
+                made[key] = pickle.loads(record.read_bytes())
         return made[key]
 
     return export
