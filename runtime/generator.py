@@ -258,9 +258,12 @@ class Generator:
                 generated[row].append(token)
                 if penalised:
                     context[row] = np.append(context[row], token)
+                stops_here = token in stop_ids and step + 1 >= config.min_new_tokens
                 text = texts[row].push(token) if texts else ""
+                if texts and (stops_here or step + 1 == config.max_new_tokens):  # the row's last token: no
+                    text += texts[row].flush()  # later one completes a character it leaves unfinished
                 yield TokenEvent(row, token, text)
-                if token in stop_ids and step + 1 >= config.min_new_tokens:
+                if stops_here:
                     done[row], reasons[row] = True, "stop"
                     mask[row, filled:] = 0
                     finished += 1

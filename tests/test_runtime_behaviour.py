@@ -187,6 +187,26 @@ def test_streaming_yields_every_token_and_the_text_in_order(dynamic_artifact):
     assert result.time_to_first_token_s > 0 and result.decode_tokens_per_s > 0
 
 
+def test_a_stream_ending_mid_character_yields_the_text_the_result_has(dynamic_artifact):
+    """The last token's event releases what the stream held back: a byte-level tokenizer's last token may
+    leave a character unfinished, which the result's text decodes as U+FFFD."""
+    generator = Generator.open(dynamic_artifact, CPU)
+    unfinished = 0
+    for seed in range(64):
+        sampling = SamplingConfig(temperature=1.0, seed=seed)
+        stream = generator.stream("the quick", GenerationConfig(max_new_tokens=6, min_new_tokens=6, sampling=sampling))
+        events = []
+        while True:
+            try:
+                events.append(next(stream))
+            except StopIteration as done:
+                result = done.value
+                break
+        assert "".join(e.text for e in events) == result.text[0]
+        unfinished += result.text[0].endswith("\ufffd")
+    assert unfinished  # else no stream here ended mid-character, and this test checked nothing
+
+
 def test_running_the_runtime_loads_no_torch(dynamic_artifact):
     probe = (
         "import sys\n"
