@@ -172,16 +172,21 @@ def test_min_new_tokens_holds_back_stop_tokens(dynamic_artifact):
     assert stop not in held.tokens[0][:5] and len(held.tokens[0]) >= 5
 
 
-def test_streaming_yields_every_token_and_the_text_in_order(dynamic_artifact):
-    generator = Generator.open(dynamic_artifact, CPU)
-    stream = generator.stream("the quick brown fox", GenerationConfig(max_new_tokens=12, min_new_tokens=12))
+def drained(stream):
+    """A stream's token events, and the GenerationResult it returns."""
     events = []
     while True:
         try:
             events.append(next(stream))
         except StopIteration as done:
-            result = done.value
-            break
+            return events, done.value
+
+
+def test_streaming_yields_every_token_and_the_text_in_order(dynamic_artifact):
+    generator = Generator.open(dynamic_artifact, CPU)
+    events, result = drained(
+        generator.stream("the quick brown fox", GenerationConfig(max_new_tokens=12, min_new_tokens=12))
+    )
     assert [e.token for e in events] == result.tokens[0]
     assert "".join(e.text for e in events) == result.text[0]
     assert result.time_to_first_token_s > 0 and result.decode_tokens_per_s > 0
@@ -194,14 +199,8 @@ def test_a_stream_ending_mid_character_yields_the_text_the_result_has(dynamic_ar
     unfinished = 0
     for seed in range(64):
         sampling = SamplingConfig(temperature=1.0, seed=seed)
-        stream = generator.stream("the quick", GenerationConfig(max_new_tokens=6, min_new_tokens=6, sampling=sampling))
-        events = []
-        while True:
-            try:
-                events.append(next(stream))
-            except StopIteration as done:
-                result = done.value
-                break
+        config = GenerationConfig(max_new_tokens=6, min_new_tokens=6, sampling=sampling)
+        events, result = drained(generator.stream("the quick", config))
         assert "".join(e.text for e in events) == result.text[0]
         unfinished += result.text[0].endswith("\ufffd")
     assert unfinished  # else no stream here ended mid-character, and this test checked nothing
