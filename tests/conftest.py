@@ -12,6 +12,11 @@ from exporters.export import ExportOptions, check_options, export_artifact
 STATIC_LENGTH = 96  # room for a 16-token prompt and 64 new tokens, and for the export's own validation
 
 
+def pytest_configure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)  # one worker per core: more threads a worker only contend for the cores
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
