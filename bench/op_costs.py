@@ -22,24 +22,59 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 CALLS = 500
+HEAD_SIZE = 64  # fox-small's (hidden 512 over 8 heads)
 FLOAT = TensorProto.FLOAT
 
 
-def session(op: str, inputs: dict[str, np.ndarray], constants: dict[str, np.ndarray], order: str = "", **attributes):
-    """A one-node session of `op` over `inputs` (fed) and `constants` (initializers), in that order or in the
-    `order` their one-letter names spell."""
-    node = helper.make_node(op, list(order) or [*inputs, *constants], ["out"], **attributes)
+def one_node_model(op: str, inputs: dict[str, np.ndarray], constants: dict[str, np.ndarray], order: str,
+                   outputs: list[str], **attributes) -> bytes:  # fmt: skip
+    """A graph of `op` alone over `inputs` (fed) and `constants` (initializers), in that order or in the
+    `order` their one-letter names spell (`_`: an input left out)."""
+    names = [name.strip("_") for name in order] or [*inputs, *constants]
+    domain = "com.microsoft" if op == "GroupQueryAttention" else ""
+    node = helper.make_node(op, names, outputs, domain=domain, **attributes)
     graph = helper.make_graph(
         [node], op,
         [helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
          for name, a in inputs.items()],
-        [helper.make_tensor_value_info("out", FLOAT, None)],
+        [helper.make_tensor_value_info(name, FLOAT, None) for name in outputs],
         [numpy_helper.from_array(array, name) for name, array in constants.items()],
     )  # fmt: skip
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=9).SerializeToString()
+
+
+def open_session(model: bytes) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.intra_op_num_threads = os.cpu_count()
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]), inputs
+    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+
+
+def session(op: str, inputs: dict[str, np.ndarray], constants: dict[str, np.ndarray], order: str = "", **attributes):
+    """One call of a one-node session of `op`, its output returned as a new array."""
+    each = open_session(one_node_model(op, inputs, constants, order, ["out"], **attributes))
+    return lambda: each.run(None, inputs)
+
+
+def attention(heads: int, window: int, buffer: int, bias: np.ndarray | None):
+    """One decode call of GroupQueryAttention as the runtime makes it: the new key and value written into
+    cache buffers bound as both past and present, `window` positions attended, with or without `bias`."""
+    rng = np.random.default_rng(1)
+    fed = {name: rng.standard_normal((1, 1, heads * HEAD_SIZE)).astype(np.float32) for name in "qkv"}
+    fed |= {name: rng.standard_normal((1, heads, buffer, HEAD_SIZE)).astype(np.float32) for name in "pP"}
+    fed |= {"s": np.array([window - 1], np.int32), "t": np.array([window], np.int32)}
+    fed |= {} if bias is None else {"b": bias}
+    order = "qkvpPst" + ("" if bias is None else "___b")
+    model = one_node_model("GroupQueryAttention", fed, {}, order, ["out", "key", "value"], num_heads=heads,
+                           kv_num_heads=heads)  # fmt: skip
+    each = open_session(model)
+    binding, values = each.io_binding(), {name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in fed.items()}
+    for name, value in values.items():
+        binding.bind_ortvalue_input(name, value)
+    binding.bind_ortvalue_output("key", values["p"])
+    binding.bind_ortvalue_output("value", values["P"])
+    binding.bind_output("out")
+    return lambda: each.run_with_iobinding(binding)
 
 
 def cases(heads: int, window: int, buffer: int) -> dict:
@@ -64,20 +99,22 @@ def cases(heads: int, window: int, buffer: int) -> dict:
         "CumSum, reverse exclusive": session("CumSum", {"x": row}, {"a": last}, exclusive=1, reverse=1),
         "Where, broadcast mask": session("Where", {"m": allowed, "x": row}, {"v": lowest}, "mxv"),
         "Add, broadcast mask": session("Add", {"x": row, "m": np.zeros_like(allowed, np.float32)}, {}),
+        "GroupQueryAttention, in place, no bias": attention(heads, window, buffer, None),
+        "GroupQueryAttention, in place, with the bias": attention(heads, window, buffer, row),
     }
 
 
-def fastest_calls_us(sessions: dict, rounds: int) -> dict[str, float]:
-    """Each session's fastest round of CALLS calls, in µs a call; the rounds are interleaved, so every op
+def fastest_calls_us(calls: dict, rounds: int) -> dict[str, float]:
+    """Each case's fastest round of CALLS calls, in µs a call; the rounds are interleaved, so every op
     meets the machine's quiet moments as often as the others."""
-    best = dict.fromkeys(sessions, float("inf"))
+    best = dict.fromkeys(calls, float("inf"))
     for _ in range(rounds):
-        for name, (each, feeds) in sessions.items():
+        for name, call in calls.items():
             for _ in range(20):
-                each.run(None, feeds)
+                call()
             began = time.perf_counter()
             for _ in range(CALLS):
-                each.run(None, feeds)
+                call()
             best[name] = min(best[name], (time.perf_counter() - began) / CALLS * 1e6)
     return best
 
