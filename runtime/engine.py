@@ -121,9 +121,13 @@ class Engine:
     def busy_rows(self) -> int:
         return sum(row is not None for row in self.rows)
 
+    def check(self, prompt: list[int], config: GenerationConfig) -> None:
+        """Raise what `submit` would refuse the request for (ArtifactError, ValueError), queueing nothing."""
+        self.generator.check_request([prompt], config)
+
     def submit(self, prompt: list[int], config: GenerationConfig, emit: Callable[[Event], None]) -> Request:
         """Queue a request; refuses at once what cannot run (ArtifactError, ValueError) or a full queue."""
-        self.generator.check_request([prompt], config)
+        self.check(prompt, config)
         deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
         request = Request(list(prompt), config, emit, deadline)
         with self._wake:

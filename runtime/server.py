@@ -244,6 +244,8 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
         prompts, config = _prompts(request, state), _config(request)
         choices = [Choice(i, request, state, arrived) for i in range(len(prompts))]
         try:
+            for prompt in prompts:  # all checked before any is queued: a request with a bad prompt queues nothing
+                state.engine.check(prompt, config)
             for choice, prompt in zip(choices, prompts, strict=True):
                 choice.submit(prompt, config)
         except QueueFull as full:

@@ -168,14 +168,23 @@ def test_text_ends_before_the_first_stop_string(server, generator, stream):
         ({"prompt": [1, 2], "n": 2}, "n"),
     ],
 )
-def test_bad_input_is_a_400_with_an_openai_error_body(server, body, param):
+def test_bad_input_is_a_400_with_an_openai_error_body(server, body, param, monkeypatch):
     url, engine = server
+    queued, submit = [], Engine.submit
+
+    def recorded(self, prompt, *rest):
+        request = submit(self, prompt, *rest)
+        queued.append(prompt)  # reached only when the engine took the prompt
+        return request
+
+    monkeypatch.setattr(Engine, "submit", recorded)
     content = body if isinstance(body, str) else json.dumps(body)
     answer = httpx.post(f"{url}/v1/completions", content=content, headers={"content-type": "application/json"})
     assert answer.status_code == 400, answer.text
     error = answer.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]
     assert "max_new_tokens" not in error["message"]  # the API names it max_tokens
+    assert not queued  # every prompt is checked before any is queued, so none is queued and then cancelled
     assert engine.queue_depth == 0 and engine.busy_rows == 0
 
 
