@@ -244,6 +244,7 @@ def _build(options: ExportOptions, staging: Path, log: Callable[[str], None]) ->
                                         options.attention),
         lambda fused: f"ONNX opset {options.opset}, {fused[0]} fewer MatMuls (projections joined), "
         f"{fused[1]} residual adds joined with their norms, {fused[2]} fewer forget-gate nodes"
+        + (f", {fused[3]} gate writes in place in a long enough buffer" if fused[3] else "")
         + (", weights as external data" if external else ""),
     )  # fmt: skip
     files = {name: name for name in COPIED_FILES if (checkpoint / name).is_file()}

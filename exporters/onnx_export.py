@@ -19,6 +19,7 @@ from torch.export import Dim, ExportedProgram
 from exporters.contract import CacheLayout, cache_shape
 from exporters.fuse_norms import fuse_residual_norms
 from exporters.fuse_projections import fuse_projections
+from exporters.in_place_scatter import scatter_in_place
 from exporters.lean_gates import lean_gates
 from exporters.translations import translations
 from exporters.wrappers import ExportableFox
@@ -118,11 +119,12 @@ def name_by_module(graph: ir.Graph) -> None:
 def lower_to_onnx(
     program: ExportedProgram, example: tuple, layout: CacheLayout, path: Path, opset: int, external_data: bool,
     keep_apart: Callable[[str], bool] = lambda module: False, attention: str = "gqa",
-) -> tuple[int, int, int]:  # fmt: skip
+) -> tuple[int, int, int, int]:  # fmt: skip
     """Write `path`: the ONNX graph with contract names and named axes, weights beside it if `external_data`;
     returns how many projections were joined into others (see `fuse_projections`; modules `keep_apart` names
-    are not joined), how many residual adds into the norms after them (see `fuse_norms`) and how many nodes
-    the forget-gate rewrites took out (see `lean_gates`). `attention` picks the lowering of in-place
+    are not joined), how many residual adds into the norms after them (see `fuse_norms`), how many nodes
+    the forget-gate rewrites took out (see `lean_gates`) and how many gate writes go in place when the
+    buffer is long enough (see `in_place_scatter`). `attention` picks the lowering of in-place
     attention (see `translations`)."""
     # Quiet the exporter's notes that concern other libraries (torchvision ops, a pytree deprecation in torch).
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
@@ -147,5 +149,6 @@ def lower_to_onnx(
     joined = fuse_projections(graph, lambda node: keep_apart(node.name))
     norms = fuse_residual_norms(onnx_program.model)
     leaner = lean_gates(onnx_program.model)
+    in_place = scatter_in_place(graph)
     onnx_program.save(str(path), external_data=external_data)
-    return joined, norms, leaner
+    return joined, norms, leaner, in_place
