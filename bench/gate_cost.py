@@ -39,8 +39,11 @@ def without_forget_gates(folder: Path, out: Path) -> int:
             passed.outputs[0].shape = present.shape
             graph.outputs[index] = passed.outputs[0]
     remove_unused_nodes(model)
+    # A removed If (the gate writes) leaves its branches reading what they read: read the graph afresh
+    model = ir.serde.deserialize_model(ir.serde.serialize_model(model))
+    remove_unused_nodes(model)
     ir.save(model, out / "model.onnx", external_data="model.onnx.data")
-    return len(graph)
+    return len(model.graph)
 
 
 def gate_cost(folder: str, genai_folder: str, genai_python: str, threads: int, rounds: int, new_tokens: int) -> dict:

@@ -18,8 +18,11 @@ import sys
 import time
 
 import numpy as np
+import onnx_ir as ir
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
+
+from exporters.in_place_scatter import scatter_in_place
 
 CALLS = 500
 HEAD_SIZE = 64  # fox-small's (hidden 512 over 8 heads)
@@ -77,6 +80,28 @@ def attention(heads: int, window: int, buffer: int, bias: np.ndarray | None):
     return lambda: each.run_with_iobinding(binding)
 
 
+def gate_write(gates: np.ndarray, new: np.ndarray, slot: int, in_place: bool):
+    """One layer's gate write as a decode step makes it, into a buffer bound as both past and present: the Pad
+    (by nothing) and ScatterElements torch.onnx lowers it to, or the If that `scatter_in_place` makes of them
+    (with the test of its pads, which a graph computes once for every layer)."""
+    fed = {"past": gates, "new": new, "slot": np.full(new.shape, slot), "pads": np.zeros(2 * gates.ndim, np.int64)}
+    values = [ir.Value(name=n, shape=ir.Shape(a.shape), type=ir.TensorType(ir.DataType.from_numpy(a.dtype)))
+              for n, a in fed.items()]  # fmt: skip
+    pad = ir.node("Pad", [values[0], values[3]], name="pad")
+    scatter = ir.node("ScatterElements", [pad.outputs[0], values[2], values[1]], {"axis": -1}, name="scatter")
+    scatter.outputs[0].name, scatter.outputs[0].dtype = "present", ir.DataType.FLOAT
+    graph = ir.Graph(values, [scatter.outputs[0]], nodes=[pad, scatter], opset_imports={"": 18}, name="gate_write")
+    if in_place:
+        scatter_in_place(graph)
+    each = open_session(ir.serde.serialize_model(ir.Model(graph, ir_version=9)).SerializeToString())
+    binding, buffer = each.io_binding(), ort.OrtValue.ortvalue_from_numpy(gates.copy())
+    binding.bind_ortvalue_input("past", buffer)
+    binding.bind_ortvalue_output("present", buffer)
+    for name in ("new", "slot", "pads"):
+        binding.bind_cpu_input(name, fed[name])
+    return lambda: each.run_with_iobinding(binding)
+
+
 def cases(heads: int, window: int, buffer: int) -> dict:
     rng = np.random.default_rng(0)
     row = rng.standard_normal((1, heads, 1, window)).astype(np.float32)
@@ -93,6 +118,8 @@ def cases(heads: int, window: int, buffer: int) -> dict:
         "ScatterElements of one position": session(
             "ScatterElements", {"x": gates, "u": new}, {"i": np.full((1, heads, 1), window - 1)}, "xiu", axis=-1
         ),
+        "gate write in place: Pad + ScatterElements": gate_write(gates, new, window - 1, in_place=False),
+        "gate write in place: If (scatter_in_place)": gate_write(gates, new, window - 1, in_place=True),
         "Slice of the window": session("Slice", {"x": gates}, {"s": ints(0), "e": ints(window), "a": ints(2)}),
         "Gather of the window, 2-D index": session("Gather", {"x": gates}, {"i": np.arange(window)[None]}, axis=2),
         "Unsqueeze": session("Unsqueeze", {"x": row.reshape(1, heads, window)}, {"a": ints(2)}),

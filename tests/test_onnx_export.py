@@ -175,23 +175,28 @@ def test_the_softplus_lowering_matches_torch_across_the_gate_range(beta):
     assert "Where" not in {node.op_type for node in program.model_proto.graph.node}
 
 
+def reads(node: onnx.NodeProto) -> set[str]:
+    """What a node reads, its subgraphs' reads from the enclosing graph included."""
+    inner = (value for attribute in node.attribute if attribute.g.node for n in attribute.g.node for value in reads(n))
+    return {*node.input, *inner}
+
+
 def test_each_in_place_buffer_is_read_by_the_one_node_that_writes_its_present(exported):
     """What lets the runtime bind one buffer as past and present: no other node reads a past tensor's data
     (Shape reads only its size). gqa graphs write keys and values with GroupQueryAttention, onnx-attention
     graphs with TensorScatter, standard static graphs with ScatterElements; static gates scatter, and a
-    dynamic gqa graph's gates are padded to the window (by nothing, in a buffer longer than the filled
-    positions) and then scattered."""
+    dynamic gqa graph's gates are written by an If whose branches scatter them, in place into the past
+    (a buffer longer than the filled positions) or into the past padded to the window."""
     _, layout, path = exported
     ops = {node.op_type for node in onnx.load(str(path)).graph.node}
     gqa = "GroupQueryAttention" in ops
     if not layout.static and not gqa:
         pytest.skip("a standard dynamic graph's present is a new tensor, past + seq long")
     nodes = onnx.load(str(path)).graph.node
-    producer = {output: node for node in nodes for output in node.output}
     for past, present in zip(layout.past_names(), layout.present_names(), strict=True):
         if past.endswith("shift"):
             continue  # read by the token shift besides being replaced; the runtime swaps two buffers
-        readers = [n for n in nodes if past in n.input and n.op_type != "Shape"]
+        readers = [n for n in nodes if n.op_type != "Shape" and past in reads(n)]
         (writer,) = [n for n in nodes if present in n.output]
         if past.endswith((".key", ".value")):
             kv_writer = next(op for op in ("GroupQueryAttention", "TensorScatter", "ScatterElements") if op in ops)
@@ -199,8 +204,14 @@ def test_each_in_place_buffer_is_read_by_the_one_node_that_writes_its_present(ex
         elif layout.static:
             assert readers == [writer] and writer.op_type == "ScatterElements"
         else:
-            assert [r.op_type for r in readers] == ["Pad"] and writer.op_type == "ScatterElements"
-            assert producer[writer.input[0]] is readers[0]
+            assert readers == [writer] and writer.op_type == "If"
+            branches = {attribute.name: attribute.g.node for attribute in writer.attribute}
+            (in_place,) = branches["then_branch"]
+            pad, grown = branches["else_branch"]
+            assert in_place.op_type == "ScatterElements" and in_place.input[0] == past
+            assert pad.op_type == "Pad" and pad.input[0] == past
+            assert grown.op_type == "ScatterElements" and grown.input[0] == pad.output[0]
+            assert grown.input[1:] == in_place.input[1:]
 
 
 def test_each_activation_is_projected_by_one_matmul(exported):
