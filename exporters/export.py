@@ -243,7 +243,7 @@ def _build(options: ExportOptions, staging: Path, log: Callable[[str], None]) ->
         log, "lower", lambda: lower_to_onnx(program, example, layout, model_path, options.opset, external, keep_apart,
                                         options.attention),
         lambda fused: f"ONNX opset {options.opset}, {fused[0]} fewer MatMuls (projections joined), "
-        f"{fused[1]} residual adds joined with their norms, {fused[2]} fewer forget-gate nodes"
+        f"{fused[1]} residual adds joined with their norms, forget-gate rewrites {-fused[2]:+d} nodes"
         + (f", {fused[3]} gate writes in place in a long enough buffer" if fused[3] else "")
         + (", weights as external data" if external else ""),
     )  # fmt: skip
