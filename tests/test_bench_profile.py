@@ -12,6 +12,7 @@ from runtime.generator import GenerationConfig, Generator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from gate_cost import without_forget_gates
+from graph_time import bound_step
 from profile_ops import decode_profile
 
 
@@ -50,3 +51,20 @@ def test_the_gate_free_copy_runs_the_contract_without_any_forget_gate_node(expor
     generator.generate([[5, 6, 7]], GenerationConfig(max_new_tokens=4, min_new_tokens=4))
     gates = [name for name in generator.cache.past if name.endswith(".gate")]
     assert gates and all(not np.any(generator.cache.past[name].numpy()) for name in gates)  # zeros, as allocated
+
+
+def test_graph_time_runs_a_decode_step_written_into_buffers_bound_as_past_and_present(exported):
+    """bench/graph_time.py's step: the new key, value and gate land at slot `filled` of the bound buffers,
+    every other slot stays as it was, and each run rewrites the same slot (the step's shapes never change)."""
+    result, _ = exported("fox-tiny", "dynamic", attention="gqa")
+    filled, buffer = 5, 12
+    step, buffers = bound_step(result.path / "model.onnx", filled, buffer, threads=1)
+    before = {name: array.copy() for name, array in buffers.items()}
+    assert buffers and all(array.shape[2] == buffer for array in buffers.values())
+    for _ in range(2):
+        step()
+    for name, array in buffers.items():
+        written = np.zeros(buffer, bool)
+        written[filled] = True
+        changed = (array != before[name]).reshape(*array.shape[:3], -1).any(axis=(0, 1, 3))
+        np.testing.assert_array_equal(changed, written, err_msg=name)
