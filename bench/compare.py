@@ -51,14 +51,21 @@ def main(argv: list[str] | None = None) -> int:
         workers[f"genai {args.genai}"] = Worker("genai", genai, threads, str(peers.genai_python()))
         nodes[f"genai {args.genai}"] = str(optimized_nodes(genai))
     speeds = interleaved_decode_speeds(workers, args.rounds, args.new_tokens)
-    first = speeds[args.folders[0]]
     print(f"median of {args.rounds} interleaved rounds, batch 1, {threads} threads")
-    print("| system | nodes run | decode tok/s | vs first (min to max) |\n|---|---:|---:|---:|")
-    for name, runs in speeds.items():
-        ratios = [run / base for run, base in zip(runs, first, strict=True)]
-        print(f"| {name} | {nodes[name]} | {statistics.median(runs):.1f} | "
-              f"{statistics.median(ratios):.3f} ({min(ratios):.2f} to {max(ratios):.2f}) |")  # fmt: skip
+    print(ratio_table(("system", "decode tok/s", "vs first"), speeds, nodes))
     return 0
+
+
+def ratio_table(columns: tuple[str, str, str], runs: dict[str, list[float]], nodes: dict[str, int | str]) -> str:
+    """A markdown table of each entry's node count, median run and ratio to the first entry's runs, taken
+    round by round (median, min to max); `columns` names the entries, the runs and the ratios."""
+    first = next(iter(runs.values()))
+    lines = [f"| {columns[0]} | nodes run | {columns[1]} | {columns[2]} (min to max) |", "|---|---:|---:|---:|"]
+    for name, each in runs.items():
+        ratios = [run / base for run, base in zip(each, first, strict=True)]
+        lines.append(f"| {name} | {nodes[name]} | {statistics.median(each):.1f} | "
+                     f"{statistics.median(ratios):.3f} ({min(ratios):.2f} to {max(ratios):.2f}) |")  # fmt: skip
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import peers
-from compare import optimized_nodes
+from compare import optimized_nodes, ratio_table
 from gate_cost import without_forget_gates
 
 CALLS, BLOCKS = 40, 5  # a process times BLOCKS blocks of CALLS steps after one block of warm-up
@@ -107,14 +107,9 @@ def main(argv: list[str] | None = None) -> int:
                 worker = [sys.executable, __file__, "--one", str(graph), *settings]
                 times[name].append(float(subprocess.run(worker, check=True, capture_output=True, text=True).stdout))
         nodes = {name: optimized_nodes(str(graph.parent)) for name, graph in graphs.items()}
-    first = next(iter(times.values()))
     print(f"median of {args.rounds} rounds, batch 1, {args.threads} threads, one token after {args.filled} "
           f"positions in buffers of {args.buffer}")  # fmt: skip
-    print("| graph | nodes run | µs a step | time vs first (min to max) |\n|---|---:|---:|---:|")
-    for name, runs in times.items():
-        ratios = [run / base for run, base in zip(runs, first, strict=True)]
-        print(f"| {name} | {nodes[name]} | {statistics.median(runs):.1f} | "
-              f"{statistics.median(ratios):.3f} ({min(ratios):.2f} to {max(ratios):.2f}) |")  # fmt: skip
+    print(ratio_table(("graph", "µs a step", "time vs first"), times, nodes))
     return 0
 
 
