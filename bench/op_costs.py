@@ -53,15 +53,26 @@ def open_session(model: bytes) -> ort.InferenceSession:
     return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
 
 
-def session(op: str, inputs: dict[str, np.ndarray], constants: dict[str, np.ndarray], order: str = "", **attributes):
-    """One call of a one-node session of `op` through IOBinding, as every case here is called (its output
-    allocated by onnxruntime)."""
-    each = open_session(one_node_model(op, inputs, constants, order, ["out"], **attributes))
+def bound_call(model: bytes, inputs: dict[str, np.ndarray], outputs: dict[str, str | None]):
+    """One call of `model` through IOBinding, as the runtime calls: every input bound once (the arrays
+    themselves), each output to the input buffer `outputs` names for it, written in place, or for None to
+    a tensor onnxruntime allocates."""
+    each = open_session(model)
     binding = each.io_binding()
-    for name, array in inputs.items():
-        binding.bind_cpu_input(name, array)
-    binding.bind_output("out")
+    values = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in inputs.items()}
+    for name, value in values.items():
+        binding.bind_ortvalue_input(name, value)
+    for name, buffer in outputs.items():
+        if buffer is None:
+            binding.bind_output(name)
+        else:
+            binding.bind_ortvalue_output(name, values[buffer])
     return lambda: each.run_with_iobinding(binding)
+
+
+def session(op: str, inputs: dict[str, np.ndarray], constants: dict[str, np.ndarray], order: str = "", **attributes):
+    """One call of a one-node session of `op`, its output allocated by onnxruntime."""
+    return bound_call(one_node_model(op, inputs, constants, order, ["out"], **attributes), inputs, {"out": None})
 
 
 def attention(heads: int, window: int, buffer: int, bias: np.ndarray | None):
@@ -75,21 +86,19 @@ def attention(heads: int, window: int, buffer: int, bias: np.ndarray | None):
     order = "qkvpPst" + ("" if bias is None else "___b")
     model = one_node_model("GroupQueryAttention", fed, {}, order, ["out", "key", "value"], num_heads=heads,
                            kv_num_heads=heads)  # fmt: skip
-    each = open_session(model)
-    binding, values = each.io_binding(), {name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in fed.items()}
-    for name, value in values.items():
-        binding.bind_ortvalue_input(name, value)
-    binding.bind_ortvalue_output("key", values["p"])
-    binding.bind_ortvalue_output("value", values["P"])
-    binding.bind_output("out")
-    return lambda: each.run_with_iobinding(binding)
+    return bound_call(model, fed, {"out": None, "key": "p", "value": "P"})
 
 
 def gate_write(gates: np.ndarray, new: np.ndarray, slot: int, in_place: bool):
     """One layer's gate write as a decode step makes it, into a buffer bound as both past and present: the Pad
     (by nothing) and ScatterElements torch.onnx lowers it to, or the If that `scatter_in_place` makes of them
     (with the test of its pads, which a graph computes once for every layer)."""
-    fed = {"past": gates, "new": new, "slot": np.full(new.shape, slot), "pads": np.zeros(2 * gates.ndim, np.int64)}
+    fed = {
+        "past": gates.copy(),
+        "new": new,
+        "slot": np.full(new.shape, slot),
+        "pads": np.zeros(2 * gates.ndim, np.int64),
+    }
     values = [ir.Value(name=n, shape=ir.Shape(a.shape), type=ir.TensorType(ir.DataType.from_numpy(a.dtype)))
               for n, a in fed.items()]  # fmt: skip
     pad = ir.node("Pad", [values[0], values[3]], name="pad")
@@ -98,13 +107,8 @@ def gate_write(gates: np.ndarray, new: np.ndarray, slot: int, in_place: bool):
     graph = ir.Graph(values, [scatter.outputs[0]], nodes=[pad, scatter], opset_imports={"": 18}, name="gate_write")
     if in_place:
         scatter_in_place(graph)
-    each = open_session(ir.serde.serialize_model(ir.Model(graph, ir_version=9)).SerializeToString())
-    binding, buffer = each.io_binding(), ort.OrtValue.ortvalue_from_numpy(gates.copy())
-    binding.bind_ortvalue_input("past", buffer)
-    binding.bind_ortvalue_output("present", buffer)
-    for name in ("new", "slot", "pads"):
-        binding.bind_cpu_input(name, fed[name])
-    return lambda: each.run_with_iobinding(binding)
+    model = ir.serde.serialize_model(ir.Model(graph, ir_version=9)).SerializeToString()
+    return bound_call(model, fed, {"present": "past"})
 
 
 def cases(heads: int, window: int, buffer: int) -> dict:
