@@ -77,11 +77,9 @@ class Worker:
     def settle(self) -> None:
         settle(self.process.pid)
 
-    def close(self) -> dict:
-        final = self.ask({})
+    def close(self) -> None:
         self.process.stdin.close()
         self.process.wait()
-        return final
 
 
 def interleaved_decode_speeds(workers: dict[str, Worker], rounds: int, new_tokens: int) -> dict[str, list[float]]:
@@ -165,7 +163,7 @@ def compare(model: str, batches: list[int], args, threads: int) -> list[dict]:
     workers = {system: Worker(system, targets[system], threads, pythons[system]) for system in systems}
     rows = []
     try:
-        for batch in batches:
+        for batch in sorted(batches):
             running = [system for system in systems if batch == 1 or system not in PEER_SYSTEMS]
             runs = {system: [] for system in running}
             request = {"batch": batch, "prompt": args.prompt, "new_tokens": args.new_tokens}
@@ -179,6 +177,8 @@ def compare(model: str, batches: list[int], args, threads: int) -> list[dict]:
                 for key in runs[system][0]:
                     if key != "peak_rss_mb":
                         row[key] = spread([r[key] for r in runs[system]])
+                # the worker's peak so far (it only grows): batch 1's own, as batches run in ascending order
+                row["peak_rss_mb"] = runs[system][-1]["peak_rss_mb"]
                 row["decode_vs_eager"] = ratio(runs[system], runs["eager-dynamic"])
                 if system in RUNTIME_ARTIFACTS:
                     row["decode_vs_runtime_fp32"] = ratio(runs[system], runs[FP32_RUNTIME])
@@ -188,9 +188,9 @@ def compare(model: str, batches: list[int], args, threads: int) -> list[dict]:
                 rows.append(row)
             print(f"{model} batch {batch}: done", flush=True)
     finally:
-        peaks = {system: worker.close()["peak_rss_mb"] for system, worker in workers.items()}
+        for worker in workers.values():
+            worker.close()
     for row in rows:
-        row["peak_rss_mb"] = peaks[row["system"]]
         if row["system"] in RUNTIME_ARTIFACTS:
             row |= describe_artifact(Path(targets[row["system"]]))
     return rows

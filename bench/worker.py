@@ -182,7 +182,7 @@ def main() -> int:
         run = eager_runner(target, system.split("-")[1], threads)
     for line in sys.stdin:
         request = json.loads(line)
-        answer = run(**request) if request else {}
+        answer = run(**request)
         answer["peak_rss_mb"] = peak_memory_mb()
         print(json.dumps(answer), flush=True)
     return 0
