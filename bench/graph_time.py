@@ -30,6 +30,7 @@ import onnxruntime as ort
 import peers
 from compare import optimized_nodes, ratio_table
 from gate_cost import without_forget_gates
+from op_costs import bound_call
 
 CALLS, BLOCKS = 40, 5  # a process times BLOCKS blocks of CALLS steps after one block of warm-up
 
@@ -44,22 +45,18 @@ def bound_step(model: Path, filled: int, buffer: int, threads: int) -> tuple[Cal
     config = model.parent / "genai_config.json"
     head_size = json.loads(config.read_text())["model"]["decoder"]["head_size"] if config.is_file() else None
     rng = np.random.default_rng(0)
-    binding, buffers = session.io_binding(), {}
+    buffers, outputs = {}, {"logits": None}
     for spec in session.get_inputs():
         if spec.name.startswith("past_key_values."):
             shape = [size if isinstance(size, int) else 1 if axis == 0 else buffer if axis == 2 else head_size
                      for axis, size in enumerate(spec.shape)]  # fmt: skip
             data = rng.standard_normal(shape).astype(np.float32)
             buffers[spec.name] = -0.01 * np.abs(data) if spec.name.endswith(".gate") else data  # log gates are < 0
-            value = ort.OrtValue.ortvalue_from_numpy(buffers[spec.name])
-            binding.bind_ortvalue_input(spec.name, value)
-            binding.bind_ortvalue_output(spec.name.replace("past_key_values.", "present.", 1), value)
-    binding.bind_cpu_input("input_ids", np.array([[5]], np.int64))
-    binding.bind_cpu_input("attention_mask", np.ones((1, filled + 1), np.int64))
+            outputs[spec.name.replace("past_key_values.", "present.", 1)] = spec.name
+    inputs = {**buffers, "input_ids": np.array([[5]], np.int64), "attention_mask": np.ones((1, filled + 1), np.int64)}
     if "cache_position" in {spec.name for spec in session.get_inputs()}:
-        binding.bind_cpu_input("cache_position", np.array([filled], np.int64))
-    binding.bind_output("logits")
-    return lambda: session.run_with_iobinding(binding), buffers
+        inputs["cache_position"] = np.array([filled], np.int64)
+    return bound_call(session, inputs, outputs), buffers
 
 
 def step_us(model: Path, filled: int, buffer: int, threads: int) -> float:

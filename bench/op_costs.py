@@ -53,11 +53,10 @@ def open_session(model: bytes) -> ort.InferenceSession:
     return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
 
 
-def bound_call(model: bytes, inputs: dict[str, np.ndarray], outputs: dict[str, str | None]):
-    """One call of `model` through IOBinding, as the runtime calls: every input bound once (the arrays
+def bound_call(each: ort.InferenceSession, inputs: dict[str, np.ndarray], outputs: dict[str, str | None]):
+    """One call of the session through IOBinding, as the runtime calls: every input bound once (the arrays
     themselves), each output to the input buffer `outputs` names for it, written in place, or for None to
     a tensor onnxruntime allocates."""
-    each = open_session(model)
     binding = each.io_binding()
     values = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in inputs.items()}
     for name, value in values.items():
@@ -67,12 +66,13 @@ def bound_call(model: bytes, inputs: dict[str, np.ndarray], outputs: dict[str, s
             binding.bind_output(name)
         else:
             binding.bind_ortvalue_output(name, values[buffer])
-    return lambda: each.run_with_iobinding(binding)
+    return lambda kept=values: each.run_with_iobinding(binding)  # kept: the arrays bound live as long as the call
 
 
 def session(op: str, inputs: dict[str, np.ndarray], constants: dict[str, np.ndarray], order: str = "", **attributes):
     """One call of a one-node session of `op`, its output allocated by onnxruntime."""
-    return bound_call(one_node_model(op, inputs, constants, order, ["out"], **attributes), inputs, {"out": None})
+    model = one_node_model(op, inputs, constants, order, ["out"], **attributes)
+    return bound_call(open_session(model), inputs, {"out": None})
 
 
 def attention(heads: int, window: int, buffer: int, bias: np.ndarray | None):
@@ -86,7 +86,7 @@ def attention(heads: int, window: int, buffer: int, bias: np.ndarray | None):
     order = "qkvpPst" + ("" if bias is None else "___b")
     model = one_node_model("GroupQueryAttention", fed, {}, order, ["out", "key", "value"], num_heads=heads,
                            kv_num_heads=heads)  # fmt: skip
-    return bound_call(model, fed, {"out": None, "key": "p", "value": "P"})
+    return bound_call(open_session(model), fed, {"out": None, "key": "p", "value": "P"})
 
 
 def gate_write(gates: np.ndarray, new: np.ndarray, slot: int, in_place: bool):
@@ -108,7 +108,7 @@ def gate_write(gates: np.ndarray, new: np.ndarray, slot: int, in_place: bool):
     if in_place:
         scatter_in_place(graph)
     model = ir.serde.serialize_model(ir.Model(graph, ir_version=9)).SerializeToString()
-    return bound_call(model, fed, {"present": "past"})
+    return bound_call(open_session(model), fed, {"present": "past"})
 
 
 def cases(heads: int, window: int, buffer: int) -> dict:
