@@ -22,13 +22,6 @@ import torch
 import torch.nn.functional as F
 
 
-def gate_bias(log_gates: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
-    """c_i - c_j, float32 `[batch, heads, seq, kv_len]`, from log_gates `[batch, heads, kv_len]` and
-    query_positions `[seq]`, each query's slot in the cache."""
-    decay = torch.cumsum(log_gates.float(), dim=-1)  # [batch, heads, kv_len]
-    return decay.index_select(-1, query_positions).unsqueeze(-1) - decay.unsqueeze(-2)
-
-
 @torch.library.custom_op("kvg::decay_after", mutates_args=())
 def decay_after(log_gates: torch.Tensor) -> torch.Tensor:
     """sum_{l>j} log_gates[..., l] for every j, float32 in and out: onnxruntime's CumSum with `exclusive`
@@ -40,6 +33,18 @@ def decay_after(log_gates: torch.Tensor) -> torch.Tensor:
 @decay_after.register_fake
 def _(log_gates):
     return torch.empty_like(log_gates)
+
+
+def gate_bias(log_gates: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
+    """c_i - c_j, float32 `[batch, heads, seq, kv_len]`, from log_gates `[batch, heads, kv_len]` and
+    query_positions `[seq]`, each query's slot in the cache.
+
+    Taken as r_j - r_i with r the gates summed after each slot up to the last (`decay_after`), not as a
+    difference of sums from the first slot: those reach the thousands at long positions, where float32
+    keeps about 1e-4, while r is small near the queries, where the weights are (with a cache, a long
+    prompt is attended in chunks, so r_i spans one chunk at most: see `modeling.PREFILL_CHUNK`)."""
+    after = decay_after(log_gates.float())  # [batch, heads, kv_len]
+    return after.unsqueeze(-2) - after.index_select(-1, query_positions).unsqueeze(-1)
 
 
 def forgetting_attention(

@@ -24,6 +24,9 @@ from kvg_export.fox.configuration import FoxConfig
 from kvg_export.fox.in_place_attention import group_query_attention
 from kvg_export.fox.layers import QK_NORM_EPS, GatedMLP, HeadRMSNorm, RMSNorm, ShiftLinear, rotate
 
+# With a cache, a longer input runs through the layers in chunks of this many tokens, as the runtime prefills
+PREFILL_CHUNK = 256
+
 
 def decay_time_bias(heads: int, decay_time_min: float, decay_time_max: float) -> torch.Tensor:
     """Forget-gate biases b_h with sigmoid(b_h) = exp(-1/T_h), decay times T_h log-spaced in [min, max]."""
@@ -309,18 +312,34 @@ class FoxModel(FoxPreTrainedModel):
             cache = DynamicCache.from_legacy_cache(cache)
         if cache is None and use_cache:
             cache = DynamicCache()
-        batch, seq = hidden.shape[:2]
+        seq = hidden.shape[1]
         if cache_position is None:
             past = cache.get_seq_length() if cache is not None else 0
             cache_position = torch.arange(past, past + seq, device=hidden.device)
-        kv_length = cache.get_mask_sizes(cache_position)[0] if cache is not None else seq
+        if cache is None or is_tracing() or seq <= PREFILL_CHUNK:
+            hidden = self._layers(hidden, attention_mask, cache, cache_position, in_place_attention)
+        else:  # each chunk attends to what the cache holds by then: no layer builds a [heads, seq, seq] term
+            chunks = []
+            for begin in range(0, seq, PREFILL_CHUNK):
+                slots = cache_position[begin : begin + PREFILL_CHUNK]
+                mask = None if attention_mask is None else attention_mask[:, : int(slots[-1]) + 1]
+                chunks.append(
+                    self._layers(hidden[:, begin : begin + PREFILL_CHUNK], mask, cache, slots, in_place_attention)
+                )
+            hidden = torch.cat(chunks, dim=1)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden), past_key_values=cache)
+
+    def _layers(self, hidden, attention_mask, cache, cache_position, in_place_attention) -> torch.Tensor:
+        """Every layer over the new tokens `hidden` `[batch, seq, hidden]` at slots `cache_position`."""
+        batch = hidden.shape[0]
+        kv_length = cache.get_mask_sizes(cache_position)[0] if cache is not None else hidden.shape[1]
         windowed = isinstance(cache, StaticCache) or in_place_attention
         positions, keep, allowed = attention_pattern(
             attention_mask, cache_position, kv_length, batch, windowed, causal=not in_place_attention
         )
         for block in self.layers:
             hidden = block(hidden, positions, cache_position, keep, allowed, cache, in_place_attention)
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden), past_key_values=cache)
+        return hidden
 
 
 class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
