@@ -21,6 +21,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from kvg_export.cache import DynamicCache, GatedCache, StaticCache
 from kvg_export.cache_layers import DynamicLayer
 from kvg_export.fox.configuration import FoxConfig
+from kvg_export.fox.modeling import PREFILL_CHUNK
 from runtime.artifact import Artifact, SessionOptions
 from runtime.buffers import element_type
 
@@ -96,8 +97,10 @@ class OnnxFoxForCausalLM(PreTrainedModel, GenerationMixin):
         use_cache: bool | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
-        """One step through the session: input_ids `[batch, seq]`, attention_mask `[batch, past + seq]` (the
-        attention window of a static cache), the cache (a new one when None) and the new tokens' slots."""
+        """New tokens through the session: input_ids `[batch, seq]`, attention_mask `[batch, past + seq]` (the
+        attention window of a static cache), the cache (a new one when None) and the new tokens' slots. A longer
+        input runs in chunks of PREFILL_CHUNK tokens, as the eager model and the runtime prefill, so no run holds
+        more than a chunk's attention terms."""
         batch, seq = input_ids.shape
         cache = past_key_values if past_key_values is not None else self.new_cache(batch)
         filled = cache.get_seq_length()
@@ -105,6 +108,45 @@ class OnnxFoxForCausalLM(PreTrainedModel, GenerationMixin):
             cache_position = torch.arange(filled, filled + seq)
         if attention_mask is None:
             attention_mask = torch.ones(batch, filled + seq, dtype=torch.long)
+        logits = []
+        for begin in range(0, seq, PREFILL_CHUNK):
+            slots = cache_position[begin : begin + PREFILL_CHUNK]
+            mask = attention_mask[:, : int(slots[-1]) + 1]
+            logits.append(self._chunk(input_ids[:, begin : begin + PREFILL_CHUNK], mask, cache, slots))
+        return CausalLMOutputWithPast(logits=torch.cat(logits, dim=1), past_key_values=cache)
+
+    def _chunk(self, input_ids, attention_mask, cache: GatedCache, cache_position) -> torch.Tensor:
+        """One run over a chunk, or one per row where GroupQueryAttention takes the chunk for one row only (it
+        follows cached positions); returns its logits `[batch, seq, vocab]`."""
+        batch, seq = input_ids.shape
+        pasts = self._layers(cache, batch)
+        by_row = self.artifact.attention == "gqa" and batch > 1 and seq > 1 and int(cache_position[0]) > 0
+        if not by_row:
+            logits, presents = self._run(input_ids, attention_mask, pasts, cache_position)
+            self._store(cache, presents, cache_position)
+            return logits
+        rows = [slice(row, row + 1) for row in range(batch)]
+        runs = [
+            self._run(input_ids[row], attention_mask[row], [{f: t[row] for f, t in layer.items()} for layer in pasts],
+                      cache_position)
+            for row in rows
+        ]  # fmt: skip
+        joined = [
+            {field: torch.cat([presents[index][field] for _, presents in runs]) for field in self._written_fields}
+            for index in range(len(pasts))
+        ]
+        self._store(cache, joined, cache_position)
+        return torch.cat([logits for logits, _ in runs])
+
+    @property
+    def _written_fields(self) -> list[str]:
+        """The cache fields a run gives new tensors for: all of them on a dynamic cache, the shift states on a
+        static one (its keys, values and gates are written where they lie)."""
+        return [f for f in self.fields if not self.static or f.endswith("shift")]
+
+    def _run(self, input_ids, attention_mask, pasts: list[dict], cache_position) -> tuple[torch.Tensor, list[dict]]:
+        """One session run; returns the logits and each layer's presents (in place: the past tensor itself)."""
+        batch, seq = input_ids.shape
         binding = self.artifact.session.io_binding()
         held = [
             self._bind(binding.bind_input, "input_ids", input_ids),
@@ -114,12 +156,12 @@ class OnnxFoxForCausalLM(PreTrainedModel, GenerationMixin):
             held.append(self._bind(binding.bind_input, "cache_position", cache_position))
         logits = torch.empty(batch, seq, self.config.vocab_size, dtype=torch.float32, device=self.device)
         self._bind(binding.bind_output, "logits", logits)
-        pasts, presents = self._layers(cache, batch), []
+        presents = []
         for index, layer in enumerate(pasts):
             written = {}
             for field in self.fields:
                 past = layer[field]
-                in_place = self.static and not field.endswith("shift")
+                in_place = field not in self._written_fields
                 present = past if in_place else torch.empty(self._present_shape(past, field, seq), dtype=past.dtype,
                                                             device=self.device)  # fmt: skip
                 held.append(self._bind(binding.bind_input, f"past_key_values.{index}.{field}", past))
@@ -127,8 +169,7 @@ class OnnxFoxForCausalLM(PreTrainedModel, GenerationMixin):
                 written[field] = present
             presents.append(written)
         self.artifact.session.run_with_iobinding(binding)
-        self._store(cache, presents, cache_position)
-        return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
+        return logits, presents
 
     def _bind(self, bind, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Bind `tensor` (moved to the session's device, contiguous) by address; return what was bound, which

@@ -48,3 +48,18 @@ def write_back(value: ort.OrtValue, host: np.ndarray, dtype: str, device: str) -
         value.update_inplace(ort.OrtValue.ortvalue_from_numpy_with_onnx_type(host, BFLOAT16))
     elif device != "cpu":
         value.update_inplace(host)
+
+
+def bind_rows(bind, name: str, value: ort.OrtValue, dtype: str, device: str, first: int, count: int) -> None:
+    """Bind rows [first, first + count) of `value` (batch its leading axis) as input or output `name` of a
+    binding (`bind`: its bind_input or bind_output), by address: a view, nothing copied."""
+    shape = value.shape()
+    row_bytes = int(np.prod(shape[1:])) * item_size(dtype)
+    bind(name, device, 0, element_type(dtype), [count, *shape[1:]], value.data_ptr() + first * row_bytes)
+
+
+def writes_held_buffer(chunk: int, chunks: int) -> bool:
+    """A row's shift state, prefilled alone in `chunks` chunks, goes back and forth between its two buffers
+    (each chunk reads one and writes the other): whether chunk `chunk` writes the buffer the next decode
+    step reads, so that the last chunk does."""
+    return (chunks - 1 - chunk) % 2 == 0

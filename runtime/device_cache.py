@@ -40,6 +40,7 @@ class DeviceCache:
                          if past not in self.in_place and past not in self.swapped]  # fmt: skip
         self.past: dict[str, ort.OrtValue] = {}
         self.spare: dict[str, ort.OrtValue] = {}  # swapped tensors: the buffer present is written to
+        self.fresh: dict[str, ort.OrtValue] = {}  # swapped tensors: a row's zero state, for `bind_row`
         self.reset()
 
     def reserve(self, length: int) -> None:
@@ -91,6 +92,28 @@ class DeviceCache:
                 binding.bind_ortvalue_output(present, self.spare[past])
             else:
                 binding.bind_output(present, self.device)
+
+    def bind_row(self, binding: ort.IOBinding, row: int, chunk: int, chunks: int) -> None:
+        """Chunk `chunk` of `chunks` of a prompt prefilled into `row` alone (GroupQueryAttention takes a later
+        chunk of a prompt for one row only): the row's part of every buffer, bound by address. Its shift state
+        starts at zero and goes back and forth between the row's two buffers so that the last chunk leaves it
+        where decode reads. Only for caches held in place (a fed-back cache's rows are new tensors each run)."""
+        for past, present in self.pairs:
+            dtype = self.artifact.input_spec(past)["dtype"]
+            if past in self.in_place:
+                buffers.bind_rows(binding.bind_input, past, self.past[past], dtype, self.device, row, 1)
+                buffers.bind_rows(binding.bind_output, present, self.past[past], dtype, self.device, row, 1)
+                continue
+            held = buffers.writes_held_buffer(chunk, chunks)
+            written, other = (self.past, self.spare) if held else (self.spare, self.past)
+            if chunk == 0:
+                if past not in self.fresh:
+                    self.fresh[past] = buffers.zeros([1, *self.past[past].shape()[1:]], dtype, self.device)
+                binding.bind_ortvalue_input(past, self.fresh[past])
+            else:
+                buffers.bind_rows(binding.bind_input, past, other[past], dtype, self.device, row, 1)
+            buffers.bind_rows(binding.bind_output, present, written[past], dtype, self.device, row, 1)
+        self.moved = True  # the next decode step binds every row again
 
     def rebind(self, binding: ort.IOBinding) -> None:
         """Between decode steps: bind what `advance` or `reserve` changed; other in-place buffers stay bound."""

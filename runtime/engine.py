@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from runtime.artifact import ArtifactError
-from runtime.generator import GenerationConfig, Generator
+from runtime.generator import GenerationConfig, Generator, chunk_spans
 from runtime.row_cache import RowCache
 from runtime.sampling import Sampler
 
@@ -230,7 +230,7 @@ class Engine:
     def _prefill(self, row: int, request: Request, begin: int) -> None:
         config, prompt = request.config, request.prompt
         session, binding = self.generator.artifact.session, self.generator.artifact.session.io_binding()
-        spans = self.generator.prefill_spans(1, len(prompt), config.prefill_chunk)
+        spans = chunk_spans(len(prompt), config.prefill_chunk)
         for index, (start, end) in enumerate(spans):
             binding.clear_binding_inputs()
             binding.clear_binding_outputs()

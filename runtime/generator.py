@@ -35,8 +35,7 @@ class GenerationConfig:
     min_new_tokens: int = 0
     stop_tokens: tuple[int, ...] = ()  # besides the model's eos ids
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    prefill_chunk: int = 256  # static artifacts prefill longer prompts in chunks of this many tokens
-    # (batches of several rows on a gqa artifact prefill in one chunk: see Artifact.attention)
+    prefill_chunk: int = 256  # prompts are prefilled in chunks of this many tokens (see Generator._prefill)
 
 
 @dataclass
@@ -110,7 +109,7 @@ class Generator:
         if config.max_new_tokens < 1 or not 0 <= config.min_new_tokens <= config.max_new_tokens:
             raise ArtifactError("need max_new_tokens >= 1 and 0 <= min_new_tokens <= max_new_tokens")
         needed = max(map(len, prompts)) + config.max_new_tokens - 1  # the last new token is never fed back
-        if self.artifact.static and needed > limits["max_cache_len"]:
+        if limits["max_cache_len"] is not None and needed > limits["max_cache_len"]:
             raise ArtifactError(
                 f"prompt ({max(map(len, prompts))} tokens) plus max_new_tokens ({config.max_new_tokens}) needs "
                 f"{needed} cache positions, over this artifact's max_cache_len {limits['max_cache_len']}; "
@@ -195,10 +194,6 @@ class Generator:
             self.artifact.session.run_with_iobinding(binding)
             ort_s += time.perf_counter() - began
 
-        def prefill(chunk: np.ndarray, filled: int, want_logits: bool) -> np.ndarray | None:
-            logits = self._feed(binding, cache, chunk, mask, filled, run_session)
-            return logits.numpy()[:, -1] if want_logits else None
-
         on_host = cache.device == "cpu"
         step_inputs = ("input_ids", "cache_position") if static else ("input_ids",)
         step_io: dict[str, tuple[np.ndarray, ort.OrtValue]] = {}  # ids, position, logits: host array, bound value
@@ -239,8 +234,7 @@ class Generator:
             host, device = step_io["logits"]
             return (host if on_host else device.numpy())[:, -1]
 
-        for begin, end in self.prefill_spans(batch, width, config.prefill_chunk):
-            logits = prefill(ids[:, begin:end], begin, want_logits=end == width)
+        logits = self._prefill(binding, cache, ids, mask, config.prefill_chunk, run_session)
         prefill_ort_s = ort_s
         filled = width
         for step in range(config.max_new_tokens):
@@ -298,33 +292,59 @@ class Generator:
             binding = self.artifact.session.io_binding()
             mask = np.ones((batch, width), dtype=np.int64)
             run = partial(self.artifact.session.run_with_iobinding, binding)
-            pieces = [self._feed(binding, cache, ids[:, begin:end], mask, begin, run).numpy()
-                      for begin, end in self.prefill_spans(batch, width, prefill_chunk)]  # fmt: skip
-        return np.concatenate(pieces, axis=1)
+            return self._prefill(binding, cache, ids, mask, prefill_chunk, run, every_position=True)
 
-    def prefill_spans(self, batch: int, width: int, prefill_chunk: int) -> list[tuple[int, int]]:
-        """The [begin, end) spans a prompt of `width` tokens is prefilled in: chunks of `prefill_chunk` on a
-        static artifact, except for a batch of several rows on a gqa one (see Artifact.attention)."""
-        chunked = self.artifact.static and (batch == 1 or self.artifact.attention != "gqa")
-        size = prefill_chunk if chunked else width
-        return [(begin, min(begin + size, width)) for begin in range(0, width, size)]
+    def _prefill(
+        self, binding: ort.IOBinding, cache: DeviceCache, ids: np.ndarray, mask: np.ndarray, prefill_chunk: int,
+        run: Callable[[], None], every_position: bool = False,
+    ) -> np.ndarray:  # fmt: skip
+        """Feed the prompts `ids` `[batch, width]` (`mask` covers at least `width`) in chunks of `prefill_chunk`
+        tokens, so that a run's attention terms and logits never grow with the prompt; returns the logits of
+        every position `[batch, width, vocab]`, or of the last `[batch, vocab]`.
+
+        GroupQueryAttention takes a later chunk of a prompt for one row only, so a gqa artifact prefills a
+        batch row by row (into each row's part of the cache buffers) when its prompts span several chunks."""
+        batch, width = ids.shape
+        spans = chunk_spans(width, prefill_chunk)
+        by_row = batch > 1 and len(spans) > 1 and self.artifact.attention == "gqa"
+        rows = [slice(row, row + 1) for row in range(batch)] if by_row else [slice(0, batch)]
+        logits = []
+        for part in rows:
+            pieces = []
+            for index, (begin, end) in enumerate(spans):
+                row_chunk = (part.start, index, len(spans)) if by_row else None
+                chunk_logits = self._feed(binding, cache, ids[part, begin:end], mask[part], begin, run, row_chunk)
+                if every_position or end == width:
+                    pieces.append(chunk_logits.numpy())
+            logits.append(np.concatenate(pieces, axis=1) if every_position else pieces[-1][:, -1])
+        return np.concatenate(logits, axis=0)
 
     def _feed(
         self, binding: ort.IOBinding, cache: DeviceCache, chunk: np.ndarray, mask: np.ndarray, filled: int,
-        run: Callable[[], None],
+        run: Callable[[], None], row_chunk: tuple[int, int, int] | None = None,
     ) -> ort.OrtValue:  # fmt: skip
         """Feed `chunk` `[batch, new]` after `filled` cached positions (`mask` covers at least filled + new);
-        returns the logits `[batch, new, vocab]` where onnxruntime left them."""
+        returns the logits `[batch, new, vocab]` where onnxruntime left them. `row_chunk` (row, chunk, chunks):
+        the chunk is that row's alone (see `DeviceCache.bind_row`)."""
         new = chunk.shape[1]
         binding.clear_binding_inputs()
         binding.clear_binding_outputs()
-        binding.bind_cpu_input("input_ids", chunk)
+        binding.bind_cpu_input("input_ids", np.ascontiguousarray(chunk))
         binding.bind_cpu_input("attention_mask", np.ascontiguousarray(mask[:, : filled + new]))
         if self.artifact.static:
             binding.bind_cpu_input("cache_position", np.arange(filled, filled + new, dtype=np.int64))
         binding.bind_output("logits", cache.device)
-        cache.bind(binding)
+        if row_chunk is None:
+            cache.bind(binding)
+        else:
+            cache.bind_row(binding, *row_chunk)
         run()
         outputs = binding.get_outputs()
-        cache.advance(outputs)
+        if row_chunk is None:
+            cache.advance(outputs)
         return outputs[0]
+
+
+def chunk_spans(width: int, size: int) -> list[tuple[int, int]]:
+    """The [begin, end) spans of `width` tokens in chunks of `size`."""
+    return [(begin, min(begin + size, width)) for begin in range(0, width, size)]

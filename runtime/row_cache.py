@@ -12,7 +12,6 @@ binds rows [0, n), a prefill binds one row, and nothing is copied between steps.
 
 from __future__ import annotations
 
-import numpy as np
 import onnxruntime as ort
 
 from runtime import buffers
@@ -40,10 +39,7 @@ class RowCache:
 
     def _bind(self, bind, name: str, past: str, value: ort.OrtValue, first: int, count: int) -> None:
         """Bind rows [first, first + count) of `value` (a buffer of tensor `past`) as `name`, by address."""
-        dtype, shape = self.dtypes[past], value.shape()
-        row_bytes = int(np.prod(shape[1:])) * buffers.item_size(dtype)
-        address = value.data_ptr() + first * row_bytes
-        bind(name, self.device, 0, buffers.element_type(dtype), [count, *shape[1:]], address)
+        buffers.bind_rows(bind, name, value, self.dtypes[past], self.device, first, count)
 
     def bind_rows(self, binding: ort.IOBinding, count: int) -> None:
         """A decode step over rows [0, count): keys, values and gates in place, shift states into the spares."""
@@ -69,7 +65,7 @@ class RowCache:
         for past, present in self.slotted:
             self._bind(binding.bind_input, past, past, self.buffers[past], row, 1)
             self._bind(binding.bind_output, present, past, self.buffers[past], row, 1)
-        writes_buffer = (chunks - 1 - chunk) % 2 == 0
+        writes_buffer = buffers.writes_held_buffer(chunk, chunks)
         for past, present in self.shifted:
             written, other = (self.buffers, self.spare) if writes_buffer else (self.spare, self.buffers)
             source, source_row = (self.fresh[past], 0) if chunk == 0 else (other[past], row)

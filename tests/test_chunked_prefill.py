@@ -1,0 +1,110 @@
+"""A prompt prefilled in chunks gives what it gives in one run, on every artifact kind and in eager PyTorch.
+
+Chunks bound a prefill's memory (no run holds more than a chunk's attention terms), so they are how every
+prompt is prefilled; these tests cross several chunk boundaries with short prompts and small chunks.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+import kvg_export.fox.modeling as modeling
+import kvg_export.onnx_model as onnx_model
+from kvg_export import DynamicCache, StaticCache
+from kvg_export.onnx_model import OnnxFoxForCausalLM
+from kvg_export.presets import load_model
+from runtime import buffers
+from runtime.artifact import SessionOptions
+from runtime.generator import GenerationConfig, Generator
+
+CPU = SessionOptions(provider="cpu")
+# Left-padded into a batch of width 11: chunks of 4 split it in three, and the short row's first chunk is all padding
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [16, 17, 18, 19], [20, 21, 22, 23, 24, 25, 26, 27, 28]]
+KINDS = [("dynamic", "gqa"), ("dynamic", "standard"), ("static", "gqa"), ("static", "standard"),
+         ("static", "onnx-attention")]  # fmt: skip
+
+
+def _prefilled(generator: Generator, prompts: list[list[int]], chunk: int) -> tuple[np.ndarray, dict]:
+    """The prefill's last logits `[batch, vocab]` and, copied to the host, every cache tensor it left (the
+    filled slots of those held in longer buffers)."""
+    config = GenerationConfig(max_new_tokens=1, prefill_chunk=chunk)
+    logits = generator.generate(prompts, config, keep_logits=True).step_logits[0]
+    cache, width = generator.cache, max(map(len, prompts))
+    held = {}
+    for past, _ in cache.pairs:
+        array = np.array(buffers.to_host(cache.past[past], generator.artifact.input_spec(past)["dtype"]))
+        held[past] = array if past.endswith("shift") else array[:, :, :width]
+    return logits, held
+
+
+@pytest.mark.parametrize(("cache", "attention"), KINDS, ids=["-".join(kind) for kind in KINDS])
+@pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS], ids=["one-row", "left-padded-batch"])
+def test_a_prompt_prefilled_in_chunks_leaves_the_logits_and_cache_of_one_run(exported, cache, attention, prompts):
+    generator = Generator.open(exported("fox-pro-tiny", cache, attention=attention)[0].path, CPU)
+    whole_logits, whole = _prefilled(generator, prompts, chunk=256)
+    chunked_logits, chunked = _prefilled(generator, prompts, chunk=4)
+    np.testing.assert_allclose(chunked_logits, whole_logits, rtol=0, atol=1e-5)
+    assert chunked.keys() == whole.keys()
+    for name, tensor in whole.items():
+        np.testing.assert_allclose(chunked[name], tensor, rtol=0, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_teacher_forced_logits_of_a_batch_in_chunks_equal_one_run(exported, kind):
+    """Scoring reads every position's logits: a gqa artifact's batch is scored row by row past one chunk."""
+    generator = Generator.open(exported("fox-pro-tiny", kind)[0].path, CPU)
+    ids = np.random.default_rng(0).integers(3, 512, size=(3, 13))
+    whole = generator.teacher_forced_logits(ids, prefill_chunk=256)
+    np.testing.assert_allclose(generator.teacher_forced_logits(ids, prefill_chunk=5), whole, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
+def test_eager_forward_with_a_cache_runs_a_long_input_in_chunks_as_one(monkeypatch, cache_kind):
+    """With a cache, the model runs a longer input through its layers a chunk at a time (so no layer builds a
+    `[heads, seq, seq]` term), and gives the logits and cache of one pass over it, left padding included."""
+    model = load_model("fox-pro-tiny")
+    width = max(map(len, PROMPTS))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
+    mask = (torch.arange(width) >= torch.tensor([width - len(p) for p in PROMPTS])[:, None]).long()
+
+    def run(chunk: int):
+        monkeypatch.setattr(modeling, "PREFILL_CHUNK", chunk)
+        if cache_kind == "dynamic":
+            cache = DynamicCache()
+        else:
+            cache = StaticCache(model.config.num_hidden_layers, max_cache_len=32, max_batch_size=len(PROMPTS))
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits
+        layer = cache.layers[-1]
+        return logits, [t[:, :, :width] for t in (layer.keys, layer.values, layer.gates)]
+
+    whole_logits, whole_cache = run(256)
+    chunked_logits, chunked_cache = run(4)
+    real = mask.bool()  # a padding position's own output is whatever it attends alone: not compared
+    torch.testing.assert_close(chunked_logits[real], whole_logits[real], rtol=0, atol=1e-5)
+    for chunked, whole in zip(chunked_cache, whole_cache, strict=True):
+        torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(("cache", "attention"), KINDS[:3], ids=["-".join(kind) for kind in KINDS[:3]])
+def test_the_transformers_model_over_an_artifact_runs_a_long_input_in_chunks_as_one(
+    exported, monkeypatch, cache, attention
+):
+    """OnnxFoxForCausalLM feeds a longer input in chunks, row by row where GroupQueryAttention needs it."""
+    model = OnnxFoxForCausalLM.from_pretrained(exported("fox-pro-tiny", cache, attention=attention)[0].path, "cpu")
+    width = max(map(len, PROMPTS))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
+    mask = (torch.arange(width) >= torch.tensor([width - len(p) for p in PROMPTS])[:, None]).long()
+
+    def run(chunk: int):
+        monkeypatch.setattr(onnx_model, "PREFILL_CHUNK", chunk)
+        state = model.new_cache(len(PROMPTS))
+        logits = model(input_ids=ids, attention_mask=mask, past_key_values=state).logits
+        layer = state.layers[-1]
+        return logits, [t[:, :, :width] for t in (layer.keys, layer.values, layer.gates)] + [layer.key_shift]
+
+    whole_logits, whole_cache = run(256)
+    chunked_logits, chunked_cache = run(4)
+    torch.testing.assert_close(chunked_logits, whole_logits, rtol=0, atol=1e-5)
+    for chunked, whole in zip(chunked_cache, whole_cache, strict=True):
+        torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-5)
