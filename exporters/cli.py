@@ -73,7 +73,8 @@ def parse_args(argv: list[str] | None) -> ExportOptions:
     parser.add_argument("--out", type=Path, required=True, help="the artifact folder to create")
     parser.add_argument("--cache", choices=("dynamic", "static"), default="dynamic")
     parser.add_argument("--dtype", choices=tuple(export.DTYPES), default="fp32")
-    parser.add_argument("--max-cache-len", type=int, help="static cache length (default 1024)")
+    limit = "with --cache dynamic, the most positions (prompt plus new tokens) the runtime accepts (default: none)"
+    parser.add_argument("--max-cache-len", type=int, help=f"static cache length (default 1024); {limit}")
     parser.add_argument("--max-batch", type=int, default=export.DEFAULT_MAX_BATCH)
     opsets = f"default {DEFAULT_OPSET}; {export.ONNX_ATTENTION_OPSET} for onnx-attention"
     parser.add_argument("--opset", type=int, help=f"ONNX opset ({opsets})")

@@ -23,7 +23,7 @@ from exporters.cache_check import CacheCheck, check_cache
 from exporters.contract import cache_layout
 from exporters.evaluate import EvalError, Evaluation, Thresholds, evaluate
 from exporters.manifest import MANIFEST_NAME, build_manifest, check_graph_matches, source_digest
-from exporters.onnx_export import DEFAULT_OPSET, export_program, lower_to_onnx
+from exporters.onnx_export import DEFAULT_OPSET, DYNAMIC_MAX_POSITIONS, export_program, lower_to_onnx
 from exporters.quantize import Quantization, QuantizationError, quantize_graph
 from exporters.validate import MIN_STATIC_LENGTH, ValidationReport, validate_export
 from kvg_export.folders import publish, staging_folder
@@ -99,8 +99,12 @@ def check_options(options: ExportOptions) -> ExportOptions:
         raise ExportError(f"--opset {options.opset} is not supported; choose {OPSETS.start}..{OPSETS.stop - 1}")
     if options.max_batch < 1:
         raise ExportError(f"--max-batch must be at least 1, got {options.max_batch}")
-    if options.cache == "dynamic" and options.max_cache_len is not None:
-        raise ExportError("--max-cache-len applies to --cache static only; a dynamic cache grows as needed")
+    limited = options.cache == "dynamic" and options.max_cache_len is not None  # a limit the runtime enforces
+    if limited and not 1 <= options.max_cache_len <= DYNAMIC_MAX_POSITIONS:
+        raise ExportError(
+            f"--max-cache-len of a dynamic cache must be 1..{DYNAMIC_MAX_POSITIONS:,} (the positions its graph is "
+            f"traced for), got {options.max_cache_len}"
+        )
     if options.cache == "static":
         options.max_cache_len = options.max_cache_len or DEFAULT_MAX_CACHE_LEN
         if options.max_cache_len < MIN_STATIC_LENGTH:

@@ -27,6 +27,7 @@ from kvg_export import FoxForCausalLM
 
 EXAMPLE_BATCH, EXAMPLE_PAST, EXAMPLE_SEQ = 2, 3, 4
 DEFAULT_OPSET = 20
+DYNAMIC_MAX_POSITIONS = 1 << 16  # the most positions a dynamic graph is traced for
 
 
 def _cache_tensor(model: FoxForCausalLM, field: str, batch: int, length: int) -> torch.Tensor:
@@ -76,7 +77,7 @@ def export_program(
     if layout.static and not max_cache_len:
         raise ValueError("a static export needs max_cache_len")
     example = example_inputs(model, layout, max_cache_len)
-    max_seq = max_cache_len if layout.static else 1 << 16
+    max_seq = max_cache_len if layout.static else DYNAMIC_MAX_POSITIONS
     shapes = dynamic_shapes(layout, max_batch, max_seq)
     with torch.no_grad():
         wrapper = ExportableFox(model, layout, in_place_attention)

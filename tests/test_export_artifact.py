@@ -115,7 +115,7 @@ def test_a_gqa_dynamic_export_is_validated_with_buffers_longer_than_the_filled_p
     ("args", "message"),
     [
         (["fox-huge"], r"unknown model 'fox-huge'.*fox-tiny"),
-        (["fox-tiny", "--max-cache-len", "64"], "applies to --cache static only"),
+        (["fox-tiny", "--max-cache-len", "70000"], r"dynamic cache must be 1\.\.65,536"),
         (["fox-tiny", "--cache", "static", "--max-cache-len", "8"], "must be at least 25"),
         (["fox-tiny", "--dtype", "bf16"], "bf16 graphs cannot be validated on onnxruntime's CPU provider"),
         (["fox-tiny", "--opset", "12"], "--opset 12 is not supported"),

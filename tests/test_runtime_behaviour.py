@@ -325,3 +325,19 @@ def test_a_saved_optimized_graph_is_written_once_and_reused(dynamic_artifact, tm
     second = Generator.open(dynamic_artifact, SessionOptions("cpu", optimized_model_path=optimized))
     assert optimized.stat().st_mtime_ns == written
     assert first.generate(PROMPTS, config).tokens == second.generate(PROMPTS, config).tokens == plain.tokens
+
+
+def test_a_prompt_over_a_dynamic_artifacts_configured_limit_is_refused_with_the_fix(dynamic_artifact, tmp_path):
+    """`kvg-export --cache dynamic --max-cache-len N` records a limit the runtime enforces before any work."""
+
+    def limit_to_40(folder):
+        manifest = json.loads((folder / "kvg_config.json").read_text())
+        manifest["cache"]["max_cache_len"] = 40
+        (folder / "kvg_config.json").write_text(json.dumps(manifest))
+
+    generator = Generator.open(broken_copy(dynamic_artifact, tmp_path, limit_to_40), CPU)
+    with pytest.raises(ArtifactError, match=r"needs 43 cache positions, over this artifact's max_cache_len 40; .*"
+                       "--max-cache-len"):  # fmt: skip
+        generator.generate([list(range(3, 37))], GenerationConfig(max_new_tokens=10))
+    assert generator.cache is None
+    assert len(generator.generate([list(range(3, 37))], GenerationConfig(max_new_tokens=7)).tokens[0]) == 7
