@@ -1,6 +1,7 @@
 """`kvg-eval MODEL [--artifact DIR]`: perplexity and next-token top-1 agreement on held-out text, eager
-PyTorch against an exported artifact run by the torch-free runtime. Exits 1 when the artifact misses
-the thresholds, 2 on bad input."""
+PyTorch against an exported artifact run by the torch-free runtime, overall and by window position. The
+text's files are joined with the end-of-text token and cut into windows of --context tokens. Exits 1 when
+the artifact misses the thresholds (overall or in any band), 2 on bad input."""
 
 from __future__ import annotations
 
@@ -9,7 +10,16 @@ import re
 import sys
 from pathlib import Path
 
-from exporters.evaluate import DEFAULT_CONTEXT, EvalError, Thresholds, evaluate, write_json
+from exporters.eval_plot import plot_perplexity_by_position
+from exporters.evaluate import (
+    BAND_GROWTH,
+    DEFAULT_CONTEXT,
+    EvalError,
+    Thresholds,
+    default_bands,
+    evaluate,
+    write_json,
+)
 from kvg_export.corpus import SPLITS
 from runtime.artifact import SessionOptions
 
@@ -30,7 +40,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--artifact", type=Path, help="an artifact folder exported from MODEL")
     parser.add_argument("--split", choices=tuple(SPLITS), default="test", help="corpus split to score (default test)")
     parser.add_argument("--text", type=Path, action="append", help="score these files or folders instead (repeatable)")
-    parser.add_argument("--context", type=int, default=DEFAULT_CONTEXT, help="tokens per window (default %(default)s)")
+    parser.add_argument("--context", type=int, default=DEFAULT_CONTEXT,
+                        help="tokens per window (default %(default)s), cut from the text's files joined with "
+                        f"the end-of-text token: in path order up to {DEFAULT_CONTEXT}, longest file first above, "
+                        "so that long windows hold long files")  # fmt: skip
     parser.add_argument("--max-windows", type=int, help="score only the first N windows")
     parser.add_argument("--provider", choices=("auto", "cuda", "cpu"), default="auto")
     parser.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0: its default)")
@@ -38,8 +51,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="largest relative perplexity difference accepted (default %(default)s)")  # fmt: skip
     parser.add_argument("--min-agreement", type=float, default=Thresholds.min_top1_agreement,
                         help="smallest top-1 agreement accepted (default %(default)s)")  # fmt: skip
-    parser.add_argument("--bands", type=_bands, default=[], help="also score window positions apart, e.g. "
-                        "0-255,1024-2047 (first-last, inclusive)")  # fmt: skip
+    defaults = ",".join(f"{first}-{last}" for first, last in default_bands(BAND_GROWTH**3 * DEFAULT_CONTEXT))
+    parser.add_argument("--bands", type=_bands, help="also score and judge window positions apart, e.g. "
+                        "0-255,1024-2047 (first-last, inclusive). Default for windows over "
+                        f"{DEFAULT_CONTEXT} tokens: {defaults},... (log-spaced), the last cut at the window's "
+                        "end; none for shorter windows")  # fmt: skip
+    parser.add_argument("--plot", type=Path, help="also draw perplexity against window position (log-spaced "
+                        "bins, both systems) into this PNG")  # fmt: skip
     parser.add_argument("--json", type=Path, help="where to write the report (default evals/MODEL[--ARTIFACT].json)")
     return parser.parse_args(argv)
 
@@ -66,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     text = evaluation.text
     where = f"the Python {text['python']} stdlib {text['split']} split" if "split" in text else "the given files"
     print(
-        f"kvg-eval: {args.model} on {where} ({text['files']} files, {text['tokens']:,} tokens): "
+        f"kvg-eval: {args.model} on {where} ({text['files']} files, {text['order']}, {text['tokens']:,} tokens): "
         f"{evaluation.windows} windows of up to {evaluation.window_tokens} tokens, "
         f"{evaluation.predicted_tokens:,} tokens predicted"
     )
@@ -74,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     path = args.json or _default_json(args.model, args.artifact)
     write_json(evaluation, path)
     print(f"kvg-eval: report written to {path}")
+    if args.plot:
+        plot_perplexity_by_position(evaluation, args.plot)
+        print(f"kvg-eval: perplexity by position drawn in {args.plot}")
     return 1 if evaluation.failures else 0
 
 

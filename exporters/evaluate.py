@@ -2,9 +2,16 @@
 PyTorch and by an exported artifact through the torch-free runtime, side by side.
 
 The text (by default the stdlib corpus's test split, as the trained presets were trained on its training
-split) is tokenized once with the model's tokenizer and cut into windows of `context` tokens, shorter
-where a static artifact's `max_cache_len` is; both systems score the same windows with the same
-arithmetic (runtime.scoring), so their figures compare position by position.
+split) is tokenized once with the model's tokenizer: its files, joined with the end-of-text token, cut into
+consecutive windows of `context` tokens (shorter where a static artifact's `max_cache_len` is). For windows
+of up to DEFAULT_CONTEXT tokens (the trained presets' training length) the files come in path order, so
+that the first N windows span many files (the export's quality check scores 64). For longer windows they
+come longest first (ties in path order), so that the first windows hold one long file each and a late
+position has that many tokens of its own file before it, not a run of unrelated files: under Python 3.11
+the test split's 181k tokens give 22 windows of 8,192, the first three in its longest file (25k tokens).
+Both systems score the same windows with the same arithmetic (runtime.scoring), so their figures compare
+position by position; bands of window positions and log-spaced position bins (the curve `--plot` draws)
+show how quality holds over the context.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass, field
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +27,7 @@ import torch
 from tokenizers import Tokenizer
 
 from exporters.manifest import source_digest
+from kvg_export.cache import DynamicCache
 from kvg_export.corpus import Document, describe, read_split, split_digest, token_stream, windows
 from kvg_export.folders import write_whole
 from kvg_export.presets import load_model, resolve_checkpoint
@@ -27,7 +36,9 @@ from runtime.generator import Generator
 from runtime.scoring import Scores, score_windows
 
 DEFAULT_CONTEXT = 512
-EAGER_BATCH = 16
+EAGER_BATCH_TOKENS = 16 * DEFAULT_CONTEXT  # tokens per eager forward: 16 windows of 512, 1 of 8,192
+BAND_GROWTH = 4  # default bands end at 512, 2048, 8192, ... positions
+CURVE_BINS = 24
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
 
 
@@ -91,6 +102,28 @@ class Band:
             )
         return line + f" ({self.predicted_tokens:,} tokens)"
 
+    def to_json(self) -> dict:
+        return {**asdict(self), "relative_perplexity_diff": self.relative_perplexity_diff}
+
+
+def default_bands(window_tokens: int) -> list[tuple[int, int]]:
+    """The bands a window longer than DEFAULT_CONTEXT is judged in when none are asked for: 0-511, 512-2047,
+    2048-8191, 8192-32767, ..., the last cut at the window's end; none for a shorter window, whose overall
+    figures are its first band's."""
+    if window_tokens <= DEFAULT_CONTEXT:
+        return []
+    ends = [DEFAULT_CONTEXT]
+    while ends[-1] * BAND_GROWTH < window_tokens:
+        ends.append(ends[-1] * BAND_GROWTH)
+    return [(first, end - 1) for first, end in pairwise([0, *ends, window_tokens])]
+
+
+def position_bins(window_tokens: int, count: int = CURVE_BINS) -> list[tuple[int, int]]:
+    """Up to `count` log-spaced bins (first, last position, inclusive) tiling positions 1 to window_tokens - 1:
+    one position's perplexity is too noisy to read, and the early positions change fastest."""
+    edges = np.unique(np.geomspace(1, window_tokens, count + 1).round().astype(int))
+    return [(int(first), int(end) - 1) for first, end in pairwise(edges)]
+
 
 @dataclass
 class Evaluation:
@@ -103,7 +136,8 @@ class Evaluation:
     artifact: SystemResult | None = None
     top1_agreement: float | None = None
     thresholds: Thresholds = field(default_factory=Thresholds)
-    bands: list[Band] = field(default_factory=list)
+    bands: list[Band] = field(default_factory=list)  # judged by the thresholds like the overall figures
+    curve: list[Band] = field(default_factory=list)  # the position_bins: perplexity against position, not judged
 
     @property
     def relative_perplexity_diff(self) -> float | None:
@@ -117,11 +151,15 @@ class Evaluation:
         if self.artifact is None:
             return []
         found, limits = [], self.thresholds
-        if abs(self.relative_perplexity_diff) > limits.max_relative_perplexity_diff:
-            found.append(
-                f"perplexity {self.artifact.perplexity:.6g} differs from eager's {self.eager.perplexity:.6g} by "
-                f"{self.relative_perplexity_diff:+.3%}, over {limits.max_relative_perplexity_diff:.3%}"
-            )
+        judged = [("perplexity", self.eager.perplexity, self.artifact.perplexity, self.relative_perplexity_diff)]
+        judged += [(f"positions {b.first}-{b.last}: perplexity", b.eager_perplexity, b.artifact_perplexity,
+                    b.relative_perplexity_diff) for b in self.bands]  # fmt: skip
+        for what, eager, artifact, diff in judged:
+            if not abs(diff) <= limits.max_relative_perplexity_diff:  # NaN fails too
+                found.append(
+                    f"{what} {artifact:.6g} differs from eager's {eager:.6g} by {diff:+.3%}, "
+                    f"over {limits.max_relative_perplexity_diff:.3%}"
+                )
         if self.top1_agreement < limits.min_top1_agreement:
             found.append(f"top-1 agreement {self.top1_agreement:.3%} is under {limits.min_top1_agreement:.3%}")
         return found
@@ -132,7 +170,8 @@ class Evaluation:
             "relative_perplexity_diff": self.relative_perplexity_diff,
             "passed": not self.failures,
             "failures": self.failures,
-            "bands": [{**asdict(b), "relative_perplexity_diff": b.relative_perplexity_diff} for b in self.bands],
+            "bands": [b.to_json() for b in self.bands],
+            "curve": [b.to_json() for b in self.curve],
         }
 
     def table(self) -> str:
@@ -159,8 +198,8 @@ class Evaluation:
         if self.artifact:
             limits = self.thresholds
             verdict = "; ".join(self.failures) or (
-                f"perplexity within {limits.max_relative_perplexity_diff:.2%} and top-1 agreement >= "
-                f"{limits.min_top1_agreement:.2%}: pass"
+                f"perplexity within {limits.max_relative_perplexity_diff:.2%}{' in every band' if self.bands else ''}"
+                f" and top-1 agreement >= {limits.min_top1_agreement:.2%}: pass"
             )
             lines.append(f"thresholds: {verdict}")
         return "\n".join(lines)
@@ -220,6 +259,16 @@ def _open_artifact(folder: Path, checkpoint: Path, vocab_size: int, options: Ses
     return generator
 
 
+def eager_logits(model: torch.nn.Module, ids: np.ndarray) -> np.ndarray:
+    """Float32 logits `[batch, seq, vocab]` of whole windows `[batch, seq]`, fed from an empty cache: a forward
+    with a cache runs a long window through the layers chunk by chunk, as the runtime prefills, where one
+    without builds each layer's [batch, heads, seq, seq] scores at once (4 GB in float32 for one window of
+    8,192 tokens at 16 heads)."""
+    with torch.no_grad():
+        output = model(input_ids=torch.from_numpy(ids), past_key_values=DynamicCache(), use_cache=True)
+    return output.logits.float().numpy()
+
+
 def evaluate(
     model: str,
     artifact: Path | None = None,
@@ -230,13 +279,14 @@ def evaluate(
     max_windows: int | None = None,
     session_options: SessionOptions | None = None,
     thresholds: Thresholds | None = None,
-    bands: list[tuple[int, int]] = (),
+    bands: list[tuple[int, int]] | None = None,
 ) -> Evaluation:
     """Score the text with eager PyTorch (float32) and, given an artifact, with the runtime; `bands` (first and
-    last window position, inclusive) also get figures of their own."""
+    last window position, inclusive; None: default_bands of the longest window) also get figures of their own,
+    held to the same thresholds."""
     if context < 2:
         raise EvalError(f"the context must be at least 2 tokens, got {context}")
-    for first, last in bands:
+    for first, last in bands or ():
         if not 0 <= first <= last:
             raise EvalError(f"positions {first}-{last} are not a band: give first-last with 0 <= first <= last")
     try:
@@ -253,13 +303,16 @@ def evaluate(
         if generator.artifact.static:
             context = min(context, generator.artifact.manifest["cache"]["max_cache_len"])
     eos = config.eos_token_id[0] if isinstance(config.eos_token_id, list) else config.eos_token_id
-    stream = token_stream(tokenizer, documents, eos)
+    longest_first = context > DEFAULT_CONTEXT
+    stream = token_stream(tokenizer, documents, eos, longest_first)
     chosen = windows(stream, context)[:max_windows]
     if not chosen:
         where = f"the {split} split" if text_paths is None else "the text"
         raise EvalError(f"no text to evaluate: {where} gives {len(stream)} tokens, fewer than the 2 a window needs")
     text["tokens"] = len(stream)
+    text["order"] = "longest first" if longest_first else "path order"
     longest = max(map(len, chosen))
+    bands = default_bands(longest) if bands is None else bands
     for first, last in bands:
         if last >= longest:
             longer = "--context" + (", or export a longer static artifact" if generator else "")
@@ -268,12 +321,9 @@ def evaluate(
                 f"(raise {longer})"
             )
 
-    def eager_logits(ids: np.ndarray) -> np.ndarray:
-        with torch.no_grad():
-            return eager_model(input_ids=torch.from_numpy(ids), use_cache=False).logits.float().numpy()
-
     began = time.perf_counter()
-    eager_scores = score_windows(eager_logits, chosen, EAGER_BATCH, config.vocab_size)
+    eager_batch = max(1, EAGER_BATCH_TOKENS // context)
+    eager_scores = score_windows(lambda ids: eager_logits(eager_model, ids), chosen, eager_batch, config.vocab_size)
     evaluation = Evaluation(
         model=str(model), text=text, window_tokens=context, windows=len(chosen),
         predicted_tokens=int(eager_scores.nll.size), thresholds=thresholds or Thresholds(),
@@ -285,8 +335,9 @@ def evaluate(
         artifact_scores = score_windows(generator.teacher_forced_logits, chosen, max_batch, config.vocab_size)
         evaluation.artifact = SystemResult.of(str(artifact), artifact_scores, time.perf_counter() - began)
         evaluation.top1_agreement = float((artifact_scores.top1 == eager_scores.top1).mean())
-    evaluation.bands = [Band.of(first, last, eager_scores, artifact_scores if generator else None)
-                        for first, last in bands]  # fmt: skip
+    scored = (eager_scores, artifact_scores if generator else None)
+    evaluation.bands = [Band.of(first, last, *scored) for first, last in bands]
+    evaluation.curve = [Band.of(first, last, *scored) for first, last in position_bins(longest)]
     return evaluation
 
 

@@ -81,10 +81,15 @@ def describe(splits: dict[str, list[Document]]) -> dict:
     }
 
 
-def token_stream(tokenizer: Tokenizer, documents: list[Document], eos_id: int | None) -> np.ndarray:
+def token_stream(
+    tokenizer: Tokenizer, documents: list[Document], eos_id: int | None, longest_first: bool = False
+) -> np.ndarray:
     """The documents' token ids (no special tokens added) joined into one stream, each followed by `eos_id`
-    if there is one (int64)."""
+    if there is one (int64). `longest_first` puts the documents with the most tokens first (ties in the given
+    order), so that the first long windows cut from the stream hold one document each, not several."""
     ids = [e.ids for e in tokenizer.encode_batch([d.text for d in documents], add_special_tokens=False)]
+    if longest_first:
+        ids.sort(key=len, reverse=True)  # a stable sort: ties keep their order
     end = [] if eos_id is None else [eos_id]
     pieces = [np.asarray([*row, *end], dtype=np.int64) for row in ids]
     return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)

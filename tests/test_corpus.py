@@ -85,6 +85,12 @@ def test_documents_are_joined_with_an_end_of_text_token():
     assert stream.tolist() == [97, 98, 2, 99, 2]
 
 
+def test_longest_first_puts_the_documents_with_most_tokens_first_and_keeps_ties_in_order():
+    docs = [Document("a", "ab"), Document("b", "cde"), Document("c", "fg")]
+    stream = token_stream(CharacterCodes(), docs, eos_id=2, longest_first=True)
+    assert stream.tolist() == [99, 100, 101, 2, 97, 98, 2, 102, 103, 2]
+
+
 def test_windows_tile_the_stream_and_keep_no_one_token_tail():
     stream = np.arange(11)
     assert [w.tolist() for w in windows(stream, 4)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10]]

@@ -1,6 +1,7 @@
 """`kvg-eval`: eager PyTorch and an artifact score held-out text alike, and bad input is refused clearly."""
 
 import json
+import math
 import shutil
 
 import numpy as np
@@ -9,10 +10,20 @@ import torch
 from tokenizers import Tokenizer
 
 from exporters.eval_cli import main
-from exporters.evaluate import EvalError, evaluate
+from exporters.evaluate import (
+    Band,
+    EvalError,
+    Evaluation,
+    SystemResult,
+    default_bands,
+    eager_logits,
+    evaluate,
+    position_bins,
+)
 from kvg_export.corpus import read_split, token_stream, windows
 from kvg_export.presets import MODELS_DIR, load_model
 from kvg_export.training.loop import mean_loss
+from runtime.scoring import Scores, next_token_scores
 
 WINDOWS = 6  # of the test split: enough positions to see a disagreement, few enough to be quick
 
@@ -28,7 +39,7 @@ def test_an_artifact_scores_the_held_out_text_as_eager_pytorch_does(exported, ca
     # eager's figure against the training loop's torch cross-entropy over the same windows
     model = load_model("fox-py")
     tokenizer = Tokenizer.from_file(str(MODELS_DIR / "fox-py" / "tokenizer.json"))
-    stream = token_stream(tokenizer, read_split("test"), 2)
+    stream = token_stream(tokenizer, read_split("test"), 2)  # path order: windows of 512 or fewer
     chosen = windows(stream, evaluation.window_tokens)[:WINDOWS]
     assert evaluation.eager.nll == pytest.approx(mean_loss(model, chosen), rel=1e-5)
     assert evaluation.predicted_tokens == sum(len(w) - 1 for w in chosen)
@@ -105,3 +116,87 @@ def test_bands_score_the_positions_they_name(exported):
     assert "positions 32-63: eager perplexity" in evaluation.table()
     with pytest.raises(EvalError, match="positions 0-64 need windows of 65 tokens; the longest here has 64"):
         evaluate("fox-py", context=64, max_windows=1, bands=[(0, 64)])
+
+
+def test_the_test_split_gives_long_windows_of_one_file_each():
+    """Longest file first: the first windows of 8,192 tokens hold no end-of-text token, i.e. one file each."""
+    tokenizer = Tokenizer.from_file(str(MODELS_DIR / "fox-py" / "tokenizer.json"))
+    long_windows = windows(token_stream(tokenizer, read_split("test"), 2, longest_first=True), 8192)
+    assert sum(len(w) == 8192 for w in long_windows) >= 8
+    assert all(2 not in w for w in long_windows[:3])
+
+
+def test_eager_scores_with_a_cache_equal_those_without():
+    """The cache path eager scoring takes (which may run a long window chunk by chunk) against one whole
+    forward: equal on a short window; on a longer one, float32 rounding apart (each is about 1e-4 nats from a
+    float64 forward at some positions there), with the same mean."""
+    model = load_model("fox-py")
+    tokenizer = Tokenizer.from_file(str(MODELS_DIR / "fox-py" / "tokenizer.json"))
+    stream = token_stream(tokenizer, read_split("test")[:8], 2)
+    for length, per_token in [(200, 1e-5), (600, 1e-3)]:
+        ids = np.stack(windows(stream, length)[:2])
+        with torch.no_grad():
+            whole, _ = next_token_scores(model(input_ids=torch.from_numpy(ids), use_cache=False).logits.numpy(), ids)
+        cached, _ = next_token_scores(eager_logits(model, ids), ids)
+        np.testing.assert_allclose(cached, whole, rtol=0, atol=per_token)
+        assert cached.mean() == pytest.approx(whole.mean(), abs=1e-5)
+
+
+def test_a_band_is_the_perplexity_of_its_positions_by_hand():
+    """Band.of against plain Python over per-position nll: exp of the mean over positions first..last."""
+    rng = np.random.default_rng(0)
+    lengths = [9, 9, 5]  # two full windows and a shorter last one
+    positions = np.concatenate([np.arange(1, n) for n in lengths])
+    eager = Scores(rng.uniform(0, 5, positions.size), rng.integers(0, 3, positions.size), positions * 0, positions)
+    artifact = Scores(eager.nll + rng.normal(0, 0.01, positions.size), eager.top1.copy(), eager.targets, positions)
+    artifact.top1[[0, 7]] += 1  # window 0 position 1, window 0 position 8
+    for first, last in [(0, 3), (4, 8), (2, 2)]:
+        band = Band.of(first, last, eager, artifact)
+        picked = [i for i, p in enumerate(positions.tolist()) if first <= p <= last]
+        assert band.predicted_tokens == len(picked)
+        assert band.eager_perplexity == pytest.approx(math.exp(sum(eager.nll[i] for i in picked) / len(picked)))
+        assert band.artifact_perplexity == pytest.approx(math.exp(sum(artifact.nll[i] for i in picked) / len(picked)))
+        assert band.top1_agreement == sum(eager.top1[i] == artifact.top1[i] for i in picked) / len(picked)
+
+
+def test_default_bands_are_log_spaced_and_cover_the_window():
+    assert default_bands(512) == [] and default_bands(64) == []
+    assert default_bands(600) == [(0, 511), (512, 599)]
+    assert default_bands(4096) == [(0, 511), (512, 2047), (2048, 4095)]
+    assert default_bands(8192) == [(0, 511), (512, 2047), (2048, 8191)]
+    assert default_bands(16384) == [(0, 511), (512, 2047), (2048, 8191), (8192, 16383)]
+    for length in (2, 64, 513, 8192):  # the curve's bins tile every predicted position once, in order
+        tiled = [p for first, last in position_bins(length) for p in range(first, last + 1)]
+        assert tiled == list(range(1, length)) and len(position_bins(length)) <= 24
+
+
+def judged(eager: float, artifact: float, bands: list[tuple[float, float]]) -> Evaluation:
+    """An evaluation with these perplexities, overall and per band, and nothing else to fail on."""
+    return Evaluation(
+        model="m", text={}, window_tokens=4096, windows=1, predicted_tokens=4095,
+        eager=SystemResult("eager", eager, math.log(eager), 0.5, 1.0),
+        artifact=SystemResult("artifact", artifact, math.log(artifact), 0.5, 1.0), top1_agreement=1.0,
+        bands=[Band(i * 512, i * 512 + 511, 511, e, a, 1.0) for i, (e, a) in enumerate(bands)],
+    )  # fmt: skip
+
+
+def test_a_band_over_the_threshold_fails_the_artifact_though_the_whole_passes():
+    assert judged(10.0, 10.001, [(11.0, 11.001), (9.0, 9.001)]).failures == []
+    drifted = judged(10.0, 10.001, [(11.0, 11.0), (9.0, 9.05)])
+    assert drifted.failures == ["positions 512-1023: perplexity 9.05 differs from eager's 9 by +0.556%, over 0.100%"]
+    assert "thresholds: positions 512-1023: perplexity 9.05" in drifted.table()
+    assert len(judged(10.0, 10.0, [(9.0, math.nan)]).failures) == 1  # a NaN is no pass
+
+
+def test_a_long_context_evaluation_has_default_bands_and_draws_its_plot(exported, tmp_path, capsys):
+    artifact = exported("fox-py", "dynamic")[0].path
+    report, plot = tmp_path / "eval.json", tmp_path / "plots" / "ppl.png"
+    argv = ["fox-py", "--artifact", str(artifact), "--context", "1024", "--max-windows", "1"]
+    assert main([*argv, "--json", str(report), "--plot", str(plot)]) == 0
+    written = json.loads(report.read_text())
+    assert written["text"]["order"] == "longest first"  # a window over 512 tokens: long files first
+    assert [(b["first"], b["last"]) for b in written["bands"]] == [(0, 511), (512, 1023)]
+    assert all(abs(b["relative_perplexity_diff"]) < 1e-3 for b in written["bands"] + written["curve"])
+    assert written["curve"][0]["first"] == 1 and written["curve"][-1]["last"] == 1023
+    assert plot.read_bytes().startswith(b"\x89PNG\r\n\x1a\n") and list(plot.parent.iterdir()) == [plot]
+    assert "positions 512-1023: eager perplexity" in capsys.readouterr().out
