@@ -32,7 +32,7 @@ EVAL_FLAGS ?=
 GPU_PYTHON ?= python3
 GPU_CHECK_FLAGS ?=
 
-.PHONY: setup test lint format clean export generate serve serve-static train eval gpu-bundle gpu-check bench bench-serve profile
+.PHONY: setup test lint format clean export generate serve serve-static train eval gpu-bundle gpu-check bench bench-long bench-serve profile
 
 setup: $(STAMP)
 
@@ -72,6 +72,10 @@ eval: setup $(if $(ARTIFACT),,$(OUT)/kvg_config.json)
 # Eager PyTorch against the runtime, side by side (see bench/README.md); BENCH_FLAGS e.g. "--runs 3".
 bench: setup
 	$(PY) bench/run.py $(BENCH_FLAGS)
+
+# Prompts of 512 to 32768 tokens, runtime against onnxruntime-genai (bench/README.md); BENCH_LONG_FLAGS e.g. "--runs 1"
+bench-long: setup
+	$(PY) bench/long_context.py $(BENCH_LONG_FLAGS)
 
 # kvg-serve under 1, 8 and 32 concurrent clients against the same requests one after another (bench/README.md);
 # BENCH_SERVE_FLAGS e.g. "--runs 1 --clients 8"

@@ -26,6 +26,7 @@ RUNTIME_PACKAGES = ("onnxruntime==1.31.1", "onnxruntime-genai==0.18.0", "numpy>=
 BUILDER_PACKAGES = ("torch==2.13.0+cpu", "transformers==5.24.0", "onnxruntime==1.31.1", "onnxruntime-genai==0.18.0",
                     "onnx_ir==1.1.0", "onnx==1.23.2")  # fmt: skip
 GENAI_PRECISIONS = ("fp32", "int4")
+BENCH_CONTEXT = 4096  # the LLaMA's max_position_embeddings for `make bench`; longer builds get folders of their own
 
 
 def _venv(folder: Path, packages: tuple[str, ...]) -> Path:
@@ -52,13 +53,20 @@ def genai_python() -> Path:
     return _venv(RUNTIME_VENV, RUNTIME_PACKAGES)
 
 
-def _llama(model: str) -> Path:
-    """A random-init LlamaForCausalLM of the FoX model's size, with the FoX model's tokenizer."""
+def _models(model: str, context: int) -> Path:
+    """Where the peers of `model` built for `context` positions live: `make bench`'s in .peers/<model>, a longer
+    context's in .peers/<model>/context-<n> (the weights are the same, the position limits are not)."""
+    return PEERS / model if context == BENCH_CONTEXT else PEERS / model / f"context-{context}"
+
+
+def _llama(model: str, context: int = BENCH_CONTEXT) -> Path:
+    """A random-init LlamaForCausalLM of the FoX model's size for `context` positions, with the FoX model's
+    tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     from kvg_export.presets import load_model, resolve_checkpoint
 
-    folder = PEERS / model / "hf"
+    folder = _models(model, context) / "hf"
     if (folder / "model.safetensors").is_file():
         return folder
     import torch
@@ -67,7 +75,7 @@ def _llama(model: str) -> Path:
     config = LlamaConfig(
         hidden_size=fox.hidden_size, num_hidden_layers=fox.num_hidden_layers, num_attention_heads=fox.num_heads,
         num_key_value_heads=fox.kv_heads, intermediate_size=fox.intermediate_size, vocab_size=fox.vocab_size,
-        max_position_embeddings=4096, bos_token_id=fox.bos_token_id, eos_token_id=fox.eos_token_id,
+        max_position_embeddings=context, bos_token_id=fox.bos_token_id, eos_token_id=fox.eos_token_id,
         pad_token_id=fox.pad_token_id, tie_word_embeddings=False,
     )  # fmt: skip
     torch.manual_seed(0)
@@ -77,11 +85,12 @@ def _llama(model: str) -> Path:
     return folder
 
 
-def genai_model(model: str, precision: str, threads: int) -> Path:
-    """onnxruntime-genai's model builder output for the LLaMA of `model`'s size, made once."""
-    out = PEERS / model / f"genai-{precision}"
+def genai_model(model: str, precision: str, threads: int, context: int = BENCH_CONTEXT) -> Path:
+    """onnxruntime-genai's model builder output for the LLaMA of `model`'s size (for `context` positions: its
+    genai_config's context_length), made once."""
+    out = _models(model, context) / f"genai-{precision}"
     if not (out / "genai_config.json").is_file():
-        hf = _llama(model)
+        hf = _llama(model, context)
         python = _venv(BUILDER_VENV, BUILDER_PACKAGES)
         options = {"model": {"decoder": {"session_options": {"intra_op_num_threads": threads,
                                                              "inter_op_num_threads": 1}}}}  # fmt: skip

@@ -25,7 +25,8 @@ STATIC_SLOWDOWN = 1.25  # step at 200 filled: max_cache_len 2048 over max_cache_
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
 
-def _fmt(spread: dict, scale: float = 1.0, digits: int = 1) -> str:
+def fmt_spread(spread: dict, scale: float = 1.0, digits: int = 1) -> str:
+    """A spread as "median (min to max)", each times `scale`."""
     low, mid, high = (spread[k] * scale for k in ("min", "median", "max"))
     return f"{mid:.{digits}f} ({low:.{digits}f} to {high:.{digits}f})"
 
@@ -37,9 +38,9 @@ def table(results: dict) -> str:
         "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in results["compare"]:
-        first = _fmt(row["ttft_s"], 1e3) if "ttft_s" in row else ""  # the read floor has no first token
+        first = fmt_spread(row["ttft_s"], 1e3) if "ttft_s" in row else ""  # the read floor has no first token
         fp32 = f"{row['decode_vs_runtime_fp32']['median']:.2f}x" if "decode_vs_runtime_fp32" in row else ""
-        genai = _fmt(row["decode_vs_genai"], digits=2) if "decode_vs_genai" in row else ""
+        genai = fmt_spread(row["decode_vs_genai"], digits=2) if "decode_vs_genai" in row else ""
         split = ""
         if "step_loop_s" in row:
             step, inside, loop = (row[k]["median"] * 1e3 for k in ("step_s", "step_onnxruntime_s", "step_loop_s"))
@@ -47,7 +48,7 @@ def table(results: dict) -> str:
         elif "step_s" in row:
             split = f"{row['step_s']['median'] * 1e3:.2f} (reads {row['step_bytes']['median'] / 1e6:.1f} MB)"
         lines.append(
-            f"| {row['model']} | {row['batch']} | {row['system']} | {_fmt(row['decode_tokens_per_s'])} | "
+            f"| {row['model']} | {row['batch']} | {row['system']} | {fmt_spread(row['decode_tokens_per_s'])} | "
             f"{row['decode_vs_eager']['median']:.2f}x | {fp32} | {genai} | {first} | {split} | "
             f"{row['peak_rss_mb']:.0f} |"
         )
@@ -131,7 +132,7 @@ def targets(results: dict) -> list[str]:
                 met = "met" if versus["median"] >= wanted else "not met"
                 marks.append(
                     f"- {model}, batch 1: {system} decode at least {wanted:g}x onnxruntime-genai's "
-                    f"{precision(system)} on the same-size LLaMA: **{met}** ({_fmt(versus, digits=2)})"
+                    f"{precision(system)} on the same-size LLaMA: **{met}** ({fmt_spread(versus, digits=2)})"
                 )
     for row in results["compare"]:
         if row["model"] == "fox-small" and row["batch"] == 1 and "step_loop_s" in row:

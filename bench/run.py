@@ -10,6 +10,7 @@ lengths. Writes results/latest.json, results/*.png and the table in bench/README
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -57,6 +58,14 @@ def precision(system: str) -> str | None:
     return "int4" if "int4" in system else None if "int8" in system else "fp32"
 
 
+class WorkerDied(RuntimeError):
+    """A benchmark worker ended without answering (its error, if it had time to print one, is above)."""
+
+    def __init__(self, status: int):
+        super().__init__(f"a benchmark worker died (exit status {status}); its error is printed above")
+        self.status = status  # negative: the signal that killed it (-9: most likely the kernel, out of memory)
+
+
 class Worker:
     def __init__(self, system: str, target: str, threads: int, python: str = sys.executable):
         kind = next((kind for kind in WORKER_KINDS if system.startswith(kind)), system)
@@ -66,11 +75,14 @@ class Worker:
         )  # fmt: skip
 
     def ask(self, request: dict) -> dict:
-        self.process.stdin.write(json.dumps(request) + "\n")
-        self.process.stdin.flush()
+        try:
+            self.process.stdin.write(json.dumps(request) + "\n")
+            self.process.stdin.flush()
+        except BrokenPipeError:  # it died between requests (the kernel's out-of-memory killer may pick an idle one)
+            raise WorkerDied(self.process.wait()) from None
         line = self.process.stdout.readline()
         if not line:
-            raise RuntimeError("a benchmark worker died; its error is printed above")
+            raise WorkerDied(self.process.wait())
         self.settle()
         return json.loads(line)
 
@@ -78,25 +90,43 @@ class Worker:
         settle(self.process.pid)
 
     def close(self) -> None:
-        self.process.stdin.close()
+        with contextlib.suppress(BrokenPipeError):  # a worker that died leaves its last request unsent
+            self.process.stdin.close()
         self.process.wait()
+
+
+def interleaved_runs(
+    workers: dict[str, Worker], request: dict, warmup: int, runs: int, lost: dict[str, int] | None = None
+) -> dict[str, list[dict]]:
+    """Each worker's answers to `request` in `warmup + runs` interleaved rounds (A B C A B C ...), the warm-up
+    rounds left out. Where `lost` is given, a worker that dies is named there with its exit status and left out
+    of the later rounds (its answers stop short); otherwise its death raises WorkerDied."""
+    answers: dict[str, list[dict]] = {name: [] for name in workers}
+    for index in range(warmup + runs):
+        for name, worker in workers.items():
+            if lost is not None and name in lost:
+                continue
+            try:
+                answer = worker.ask(request)
+            except WorkerDied as died:
+                if lost is None:
+                    raise
+                lost[name] = died.status
+                continue
+            if index >= warmup:
+                answers[name].append(answer)
+    return answers
 
 
 def interleaved_decode_speeds(workers: dict[str, Worker], rounds: int, new_tokens: int) -> dict[str, list[float]]:
     """Each worker's decode tokens/s at batch 1 (a 128-token prompt) in `rounds` interleaved rounds after a
     warm-up one; the workers are closed after."""
-    speeds = {name: [] for name in workers}
     try:
-        request = {"batch": 1, "prompt": 128, "new_tokens": new_tokens}
-        for index in range(rounds + 1):
-            for name, worker in workers.items():
-                speed = worker.ask(request)["decode_tokens_per_s"]
-                if index:  # the first round warms up
-                    speeds[name].append(speed)
+        answers = interleaved_runs(workers, {"batch": 1, "prompt": 128, "new_tokens": new_tokens}, 1, rounds)
     finally:
         for worker in workers.values():
             worker.close()
-    return speeds
+    return {name: [answer["decode_tokens_per_s"] for answer in runs] for name, runs in answers.items()}
 
 
 def settle(pid: int) -> None:
@@ -144,9 +174,17 @@ def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def ratio(runs: list[dict], baseline: list[dict]) -> dict:
-    """Decode speed over the baseline's, taken per interleaved round (both ran under the same load)."""
-    return spread([r["decode_tokens_per_s"] / b["decode_tokens_per_s"] for r, b in zip(runs, baseline, strict=True)])
+def ratio(runs: list[dict], baseline: list[dict], key: str = "decode_tokens_per_s") -> dict:
+    """A figure (decode speed by default) over the baseline's, taken per interleaved round (both ran under the
+    same load)."""
+    return spread([r[key] / b[key] for r, b in zip(runs, baseline, strict=True)])
+
+
+def summary(runs: list[dict]) -> dict:
+    """The spread of every figure a worker answered over its runs, and its peak RSS: the worker's peak so far
+    (VmHWM only grows), which is this request's own when requests run in ascending size."""
+    figures = {key: spread([r[key] for r in runs]) for key in runs[0] if key != "peak_rss_mb"}
+    return figures | {"peak_rss_mb": runs[-1]["peak_rss_mb"]}
 
 
 def compare(model: str, batches: list[int], args, threads: int) -> list[dict]:
@@ -165,20 +203,11 @@ def compare(model: str, batches: list[int], args, threads: int) -> list[dict]:
     try:
         for batch in sorted(batches):
             running = [system for system in systems if batch == 1 or system not in PEER_SYSTEMS]
-            runs = {system: [] for system in running}
             request = {"batch": batch, "prompt": args.prompt, "new_tokens": args.new_tokens}
-            for index in range(args.warmup + args.runs):
-                for system in running:
-                    answer = workers[system].ask(request)
-                    if index >= args.warmup:
-                        runs[system].append(answer)
+            runs = interleaved_runs({system: workers[system] for system in running}, request, args.warmup, args.runs)
             for system in running:
-                row = {"model": model, "batch": batch, "system": system}
-                for key in runs[system][0]:
-                    if key != "peak_rss_mb":
-                        row[key] = spread([r[key] for r in runs[system]])
-                # the worker's peak so far (it only grows): batch 1's own, as batches run in ascending order
-                row["peak_rss_mb"] = runs[system][-1]["peak_rss_mb"]
+                # batch 1's peak RSS is its own, as batches run in ascending order
+                row = {"model": model, "batch": batch, "system": system, **summary(runs[system])}
                 row["decode_vs_eager"] = ratio(runs[system], runs["eager-dynamic"])
                 if system in RUNTIME_ARTIFACTS:
                     row["decode_vs_runtime_fp32"] = ratio(runs[system], runs[FP32_RUNTIME])
