@@ -13,6 +13,8 @@ from pathlib import Path
 import onnx
 
 from exporters.contract import CACHE_FIELDS, PAST_TEMPLATE, PRESENT_TEMPLATE, CacheLayout
+from exporters.last_logits import KEPT_AXIS
+from exporters.last_logits import NAME as LOGITS_TO_KEEP
 
 MANIFEST_NAME = "kvg_config.json"
 FORMAT_VERSION = 2  # 2: a static graph's attention_mask is the attention window, not the buffer
@@ -57,7 +59,7 @@ def graph_io(config, layout: CacheLayout, dtype: str, max_cache_len: int | None)
         inputs.append(_io_entry("cache_position", "int64", ["seq"]))
     fields = layout.fields * layout.num_layers
     inputs += [cache_entry(n, f, length_in) for n, f in zip(layout.past_names(), fields, strict=True)]
-    outputs = [_io_entry("logits", "float32", ["batch", "seq", config.vocab_size])]
+    outputs = [_io_entry("logits", "float32", ["batch", KEPT_AXIS, config.vocab_size])]
     outputs += [cache_entry(n, f, length_out) for n, f in zip(layout.present_names(), fields, strict=True)]
     return inputs, outputs
 
@@ -95,6 +97,9 @@ def build_manifest(
         },
         "names": {"past": PAST_TEMPLATE, "present": PRESENT_TEMPLATE, "fields": list(CACHE_FIELDS)},
         "inputs": inputs,
+        # inputs with a default (ONNX initializers that are also inputs), fed only to change it: logits_to_keep,
+        # 0 (every position's logits) unless fed n > 0 (the last n)
+        "optional_inputs": [_io_entry(LOGITS_TO_KEEP, "int64", [1])],
         "outputs": outputs,
         "special_tokens": {
             "bos": config.bos_token_id,
@@ -119,7 +124,7 @@ def check_graph_matches(model_path: Path, manifest: dict) -> None:
     problems = []
     for kind, values in (("input", graph.input), ("output", graph.output)):
         actual = [_described(v) for v in values]
-        expected = manifest[f"{kind}s"]
+        expected = manifest[f"{kind}s"] + (manifest.get("optional_inputs", []) if kind == "input" else [])
         if [a["name"] for a in actual] != [e["name"] for e in expected]:
             problems.append(f"{kind} names {[a['name'] for a in actual]} != manifest {[e['name'] for e in expected]}")
             continue

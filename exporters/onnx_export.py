@@ -20,6 +20,7 @@ from exporters.contract import CacheLayout, cache_shape
 from exporters.fuse_norms import fuse_residual_norms
 from exporters.fuse_projections import fuse_projections
 from exporters.in_place_scatter import scatter_in_place
+from exporters.last_logits import keep_last_logits
 from exporters.lean_gates import lean_gates
 from exporters.translations import translations
 from exporters.wrappers import ExportableFox
@@ -126,7 +127,7 @@ def lower_to_onnx(
     are not joined), how many residual adds into the norms after them (see `fuse_norms`), how many nodes
     the forget-gate rewrites took out (see `lean_gates`) and how many gate writes go in place when the
     buffer is long enough (see `in_place_scatter`). `attention` picks the lowering of in-place
-    attention (see `translations`)."""
+    attention (see `translations`). The graph also takes the optional `logits_to_keep` (see `last_logits`)."""
     # Quiet the exporter's notes that concern other libraries (torchvision ops, a pytree deprecation in torch).
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
     with warnings.catch_warnings():
@@ -151,5 +152,6 @@ def lower_to_onnx(
     norms = fuse_residual_norms(onnx_program.model)
     leaner = lean_gates(onnx_program.model)
     in_place = scatter_in_place(graph)
+    keep_last_logits(graph)
     onnx_program.save(str(path), external_data=external_data)
     return joined, norms, leaner, in_place

@@ -61,8 +61,10 @@ def read_manifest(folder: Path) -> dict:
 
 def _check_graph(session: ort.InferenceSession, manifest: dict, folder: Path) -> None:
     problems = []
-    for kind, actual in (("input", session.get_inputs()), ("output", session.get_outputs())):
-        expected = manifest[f"{kind}s"]
+    checked = (("input", session.get_inputs()), ("optional_input", session.get_overridable_initializers()),
+               ("output", session.get_outputs()))  # fmt: skip
+    for kind, actual in checked:
+        expected = manifest.get(f"{kind}s", [])
         if [a.name for a in actual] != [e["name"] for e in expected]:
             problems.append(
                 f"{kind} names differ: graph {[a.name for a in actual]}, manifest {[e['name'] for e in expected]}"
@@ -202,6 +204,12 @@ class Artifact:
 
     def present_names(self) -> list[str]:
         return [e["name"] for e in self.manifest["outputs"] if e["name"].startswith("present.")]
+
+    @property
+    def keeps_logits(self) -> bool:
+        """Whether the graph takes `logits_to_keep` (exporters/last_logits.py): a prefill's logits can then be its
+        last position's alone."""
+        return any(entry["name"] == "logits_to_keep" for entry in self.manifest.get("optional_inputs", []))
 
     def input_spec(self, name: str) -> dict:
         return next(e for e in self.manifest["inputs"] if e["name"] == name)

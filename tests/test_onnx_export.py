@@ -59,7 +59,9 @@ def exported(request, tmp_path_factory):
 def test_graph_inputs_and_outputs_follow_the_contract(exported):
     _, layout, path = exported
     graph = onnx.load(str(path)).graph
-    assert [i.name for i in graph.input] == layout.input_names()
+    assert [i.name for i in graph.input] == [*layout.input_names(), "logits_to_keep"]
+    defaults = {t.name: onnx.numpy_helper.to_array(t) for t in graph.initializer}
+    assert defaults["logits_to_keep"].tolist() == [0]  # an input with a default: every position's logits
     assert [o.name for o in graph.output] == layout.output_names()
     onnx.checker.check_model(str(path), full_check=True)
     dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in graph.input}
@@ -74,7 +76,7 @@ def uses_group_query_attention(path) -> bool:
     return any(node.op_type == "GroupQueryAttention" for node in onnx.load(str(path)).graph.node)
 
 
-def run_steps(model, layout, path, ids, mask):
+def run_steps(model, layout, path, ids, mask, logits_to_keep: int = 0):
     """Prefill 5 tokens then decode one at a time through onnxruntime, feeding present back as past.
 
     A static graph is given a mask as long as its buffer, which it must accept, except that a
@@ -101,6 +103,8 @@ def run_steps(model, layout, path, ids, mask):
     logits = []
     for start, stop in [(0, 5), *((t, t + 1) for t in range(5, total))]:
         feed = {"input_ids": ids[:, start:stop].numpy(), **past}
+        if logits_to_keep:
+            feed["logits_to_keep"] = np.array([logits_to_keep])
         if layout.static:
             window = full_mask[:, :stop] if start == 0 and gqa else full_mask
             feed |= {"attention_mask": window, "cache_position": np.arange(start, stop)}
@@ -125,6 +129,18 @@ def test_onnxruntime_matches_eager_through_prefill_and_decode_of_a_left_padded_b
     got = run_steps(model, layout, path, ids, mask)
     real = mask.numpy().astype(bool)
     assert np.abs(got - want)[real].max() < FP32_TOLERANCE
+
+
+def test_logits_to_keep_gives_the_last_positions_logits_alone(exported):
+    """Fed n > 0, the optional input keeps the last n positions' logits: a 5-token prefill gives its last."""
+    model, layout, path = exported
+    ids = torch.randint(3, 80, (2, 12), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask).logits.numpy()
+    got = run_steps(model, layout, path, ids, mask, logits_to_keep=1)
+    assert got.shape[1] == 12 - 4  # the prefill's last position, then one per decode step
+    assert np.abs(got - want[:, 4:]).max() < FP32_TOLERANCE
 
 
 @pytest.mark.parametrize("name", CONFIGS)
