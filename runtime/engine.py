@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from runtime.artifact import ArtifactError
-from runtime.generator import GenerationConfig, Generator, chunk_spans
+from runtime.generator import KEEP_LAST, GenerationConfig, Generator, chunk_size, chunk_spans
 from runtime.row_cache import RowCache
 from runtime.sampling import Sampler
 
@@ -230,7 +230,9 @@ class Engine:
     def _prefill(self, row: int, request: Request, begin: int) -> None:
         config, prompt = request.config, request.prompt
         session, binding = self.generator.artifact.session, self.generator.artifact.session.io_binding()
-        spans = chunk_spans(len(prompt), config.prefill_chunk)
+        spans = chunk_spans(
+            len(prompt), chunk_size(self.generator.artifact, 1, self.cache.length, config.prefill_chunk)
+        )
         for index, (start, end) in enumerate(spans):
             binding.clear_binding_inputs()
             binding.clear_binding_outputs()
@@ -239,6 +241,8 @@ class Engine:
             mask[:, begin:] = 1
             binding.bind_cpu_input("attention_mask", mask)
             binding.bind_cpu_input("cache_position", np.arange(begin + start, begin + end, dtype=np.int64))
+            if self.generator.artifact.keeps_logits:
+                binding.bind_ortvalue_input("logits_to_keep", KEEP_LAST)
             binding.bind_output("logits", self.cache.device)
             self.cache.bind_row(binding, row, index, len(spans))
             session.run_with_iobinding(binding)

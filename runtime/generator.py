@@ -27,6 +27,9 @@ from runtime.text_stream import TextStream
 # double when a generation goes further: a long max_new_tokens allocates only what is generated.
 RESERVED_NEW_TOKENS = 256
 IDLE_CACHES = 4  # caches kept for later calls once the calls that used them have ended, most recent first
+PREFILL_WORKING_SET = 256 << 20  # bytes of a prefill run's attention terms (see chunk_size)
+ATTENTION_TERMS = 3  # [heads, chunk, keys] float32 tensors a run holds at once: the bias, the mask added, the scores
+KEEP_LAST = ort.OrtValue.ortvalue_from_numpy(np.ones(1, dtype=np.int64))  # logits_to_keep: the last position's
 
 
 @dataclass(frozen=True)
@@ -35,7 +38,7 @@ class GenerationConfig:
     min_new_tokens: int = 0
     stop_tokens: tuple[int, ...] = ()  # besides the model's eos ids
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    prefill_chunk: int = 256  # prompts are prefilled in chunks of this many tokens (see Generator._prefill)
+    prefill_chunk: int = 256  # prompts are prefilled in chunks of at most this many tokens (see chunk_size)
 
 
 @dataclass
@@ -298,22 +301,33 @@ class Generator:
         self, binding: ort.IOBinding, cache: DeviceCache, ids: np.ndarray, mask: np.ndarray, prefill_chunk: int,
         run: Callable[[], None], every_position: bool = False,
     ) -> np.ndarray:  # fmt: skip
-        """Feed the prompts `ids` `[batch, width]` (`mask` covers at least `width`) in chunks of `prefill_chunk`
-        tokens, so that a run's attention terms and logits never grow with the prompt; returns the logits of
-        every position `[batch, width, vocab]`, or of the last `[batch, vocab]`.
+        """Feed the prompts `ids` `[batch, width]` (`mask` covers at least `width`) in chunks of at most
+        `prefill_chunk` tokens (see `chunk_size`), so that a run's attention terms and logits never grow with the
+        prompt; returns the logits of every position `[batch, width, vocab]`, or of the last `[batch, vocab]`.
 
         GroupQueryAttention takes a later chunk of a prompt for one row only, so a gqa artifact prefills a
         batch row by row (into each row's part of the cache buffers) when its prompts span several chunks."""
         batch, width = ids.shape
-        spans = chunk_spans(width, prefill_chunk)
-        by_row = batch > 1 and len(spans) > 1 and self.artifact.attention == "gqa"
+        keys = self.artifact.manifest["cache"]["max_cache_len"] if self.artifact.static else cache.length or width
+        size = chunk_size(self.artifact, batch, keys, prefill_chunk)
+        by_row = batch > 1 and width > size and self.artifact.attention == "gqa"
+        spans = chunk_spans(width, chunk_size(self.artifact, 1, keys, prefill_chunk) if by_row else size)
         rows = [slice(row, row + 1) for row in range(batch)] if by_row else [slice(0, batch)]
         logits = []
         for part in rows:
             pieces = []
             for index, (begin, end) in enumerate(spans):
                 row_chunk = (part.start, index, len(spans)) if by_row else None
-                chunk_logits = self._feed(binding, cache, ids[part, begin:end], mask[part], begin, run, row_chunk)
+                chunk_logits = self._feed(
+                    binding,
+                    cache,
+                    ids[part, begin:end],
+                    mask[part],
+                    begin,
+                    run,
+                    row_chunk,
+                    last_only=not every_position,
+                )
                 if every_position or end == width:
                     pieces.append(chunk_logits.numpy())
             logits.append(np.concatenate(pieces, axis=1) if every_position else pieces[-1][:, -1])
@@ -321,11 +335,12 @@ class Generator:
 
     def _feed(
         self, binding: ort.IOBinding, cache: DeviceCache, chunk: np.ndarray, mask: np.ndarray, filled: int,
-        run: Callable[[], None], row_chunk: tuple[int, int, int] | None = None,
+        run: Callable[[], None], row_chunk: tuple[int, int, int] | None = None, last_only: bool = False,
     ) -> ort.OrtValue:  # fmt: skip
         """Feed `chunk` `[batch, new]` after `filled` cached positions (`mask` covers at least filled + new);
-        returns the logits `[batch, new, vocab]` where onnxruntime left them. `row_chunk` (row, chunk, chunks):
-        the chunk is that row's alone (see `DeviceCache.bind_row`)."""
+        returns the logits `[batch, new, vocab]` where onnxruntime left them (`[batch, 1, vocab]` with `last_only`
+        on a graph that can spare the others). `row_chunk` (row, chunk, chunks): the chunk is that row's alone
+        (see `DeviceCache.bind_row`)."""
         new = chunk.shape[1]
         binding.clear_binding_inputs()
         binding.clear_binding_outputs()
@@ -333,6 +348,8 @@ class Generator:
         binding.bind_cpu_input("attention_mask", np.ascontiguousarray(mask[:, : filled + new]))
         if self.artifact.static:
             binding.bind_cpu_input("cache_position", np.arange(filled, filled + new, dtype=np.int64))
+        if last_only and self.artifact.keeps_logits:
+            binding.bind_ortvalue_input("logits_to_keep", KEEP_LAST)
         binding.bind_output("logits", cache.device)
         if row_chunk is None:
             cache.bind(binding)
@@ -343,6 +360,15 @@ class Generator:
         if row_chunk is None:
             cache.advance(outputs)
         return outputs[0]
+
+
+def chunk_size(artifact: Artifact, rows: int, keys: int, most: int) -> int:
+    """How many tokens a prefill run takes: at most `most`, and few enough that its attention terms (a float32
+    bias and scores `[rows, heads, chunk, keys]`, a few times over, where `keys` is the cache buffer's length)
+    stay within PREFILL_WORKING_SET however long the prompt, so a long prompt's peak memory is the weights, the
+    cache and that."""
+    row_bytes = ATTENTION_TERMS * 4 * rows * artifact.manifest["model"]["num_heads"] * keys
+    return max(1, min(most, PREFILL_WORKING_SET // row_bytes))
 
 
 def chunk_spans(width: int, size: int) -> list[tuple[int, int]]:

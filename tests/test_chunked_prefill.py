@@ -15,7 +15,7 @@ from kvg_export.onnx_model import OnnxFoxForCausalLM
 from kvg_export.presets import load_model
 from runtime import buffers
 from runtime.artifact import SessionOptions
-from runtime.generator import GenerationConfig, Generator
+from runtime.generator import ATTENTION_TERMS, PREFILL_WORKING_SET, GenerationConfig, Generator, chunk_size
 
 CPU = SessionOptions(provider="cpu")
 # Left-padded into a batch of width 11: chunks of 4 split it in three, and the short row's first chunk is all padding
@@ -108,3 +108,15 @@ def test_the_transformers_model_over_an_artifact_runs_a_long_input_in_chunks_as_
     torch.testing.assert_close(chunked_logits, whole_logits, rtol=0, atol=1e-5)
     for chunked, whole in zip(chunked_cache, whole_cache, strict=True):
         torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("keys", [1024, 16_640, 65_536])
+def test_a_prefill_runs_attention_terms_stay_within_the_working_set_however_long_the_cache(exported, keys):
+    """Chunks shrink as the cache grows, so a run's [rows, heads, chunk, keys] float32 terms stay bounded."""
+    artifact = Generator.open(exported("fox-pro-tiny", "static")[0].path, CPU).artifact
+    heads = artifact.manifest["model"]["num_heads"]
+    for rows in (1, 8):
+        chunk = chunk_size(artifact, rows, keys, most=256)
+        assert 1 <= chunk <= 256
+        assert chunk == 256 or ATTENTION_TERMS * 4 * rows * heads * keys * chunk <= PREFILL_WORKING_SET
+        assert ATTENTION_TERMS * 4 * rows * heads * keys * (chunk + 1) > PREFILL_WORKING_SET or chunk == 256
