@@ -5,7 +5,7 @@ same-size LLaMA built for as long a context.
 Long prompts are where a gated cache's prefill and memory part ways with a plain one, and `make bench`'s
 128-token prompt never gets there. Each system runs in a worker process of its own (bench/worker.py) that
 takes the prompt lengths in ascending order, so the peak RSS read after a length's runs is that length's
-(VmHWM only grows). At each length the systems run interleaved (A B C A B C ...) after a warm-up; each
+(VmHWM only grows). At each length the systems run interleaved (A B C A B C ...), after a warm-up at the first; each
 figure is the median with min and max. A length a system cannot hold (past its artifact's max_cache_len or
 genai's context_length) is skipped, and a worker that dies (out of memory, most likely) is left out of the
 longer prompts; the table says which. Writes long_context.json and long_context.png under --out, and, when
@@ -86,7 +86,8 @@ def measure(model: str, args: argparse.Namespace, threads: int) -> list[dict]:
                 else:
                     fitting[system] = workers[system]
             request = {"batch": 1, "prompt": prompt, "new_tokens": args.new_tokens}
-            runs = interleaved_runs(fitting, request, args.warmup, args.runs, lost)
+            warmup = args.warmup if prompt == min(args.prompts) else 0  # a worker's first runs are what warm up
+            runs = interleaved_runs(fitting, request, warmup, args.runs, lost)
             at_length += rows_at(model, prompt, runs, {system: lost[system] for system in fitting if system in lost})
             rows += sorted(at_length, key=lambda row: SYSTEMS.index(row["system"]))
             print(f"{model}, prompt {prompt}: done", flush=True)
@@ -186,7 +187,8 @@ def report(results: dict) -> str:
             f"Run {machine_info['date']} on {machine_info['cpu']} ({machine_info['cores']} cores, "
             f"{settings['threads']} threads): batch 1, fp32, random prompt ids, {settings['new_tokens']} greedy new "
             f"tokens, median (min to max) of {settings['runs']} interleaved runs after {settings['warmup']} "
-            f"warm-up; static artifact and genai context {settings['context']} positions. vs genai: the "
+            f"warm-up round(s) at the shortest prompt; static artifact and genai context {settings['context']} "
+            "positions. vs genai: the "
             "figure over onnxruntime-genai's in the same round (TTFT above 1 is slower, decode above 1 faster).",
             "",
             table(results),
@@ -202,7 +204,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=["fox-small", "fox-pro-py"])
     parser.add_argument("--prompts", nargs="+", type=int, default=list(DEFAULT_PROMPTS), help="prompt lengths")
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1, help="warm-up rounds at each prompt length")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="warm-up rounds, at the shortest prompt length (a worker's first runs are what warm up)",
+    )
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--no-peers", dest="peers", action="store_false", help="leave out onnxruntime-genai")
     parser.add_argument(
