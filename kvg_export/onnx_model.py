@@ -95,12 +95,14 @@ class OnnxFoxForCausalLM(PreTrainedModel, GenerationMixin):
         past_key_values: GatedCache | None = None,
         cache_position: torch.LongTensor | None = None,
         use_cache: bool | None = None,
+        logits_to_keep: int = 0,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """New tokens through the session: input_ids `[batch, seq]`, attention_mask `[batch, past + seq]` (the
         attention window of a static cache), the cache (a new one when None) and the new tokens' slots. A longer
         input runs in chunks of PREFILL_CHUNK tokens, as the eager model and the runtime prefill, so no run holds
-        more than a chunk's attention terms."""
+        more than a chunk's attention terms. `logits_to_keep` n > 0 (generate() passes 1) returns the last n
+        positions' logits only, and the graph computes no others where it can (see exporters/last_logits.py)."""
         batch, seq = input_ids.shape
         cache = past_key_values if past_key_values is not None else self.new_cache(batch)
         filled = cache.get_seq_length()
@@ -112,23 +114,35 @@ class OnnxFoxForCausalLM(PreTrainedModel, GenerationMixin):
         for begin in range(0, seq, PREFILL_CHUNK):
             slots = cache_position[begin : begin + PREFILL_CHUNK]
             mask = attention_mask[:, : int(slots[-1]) + 1]
-            logits.append(self._chunk(input_ids[:, begin : begin + PREFILL_CHUNK], mask, cache, slots))
-        return CausalLMOutputWithPast(logits=torch.cat(logits, dim=1), past_key_values=cache)
+            kept = self._kept(logits_to_keep, seq - begin, len(slots))
+            logits.append(self._chunk(input_ids[:, begin : begin + PREFILL_CHUNK], mask, cache, slots, kept))
+        logits = torch.cat(logits, dim=1)
+        return CausalLMOutputWithPast(logits=logits[:, -logits_to_keep:] if logits_to_keep else logits,
+                                      past_key_values=cache)  # fmt: skip
 
-    def _chunk(self, input_ids, attention_mask, cache: GatedCache, cache_position) -> torch.Tensor:
+    def _kept(self, logits_to_keep: int, left: int, chunk: int) -> int:
+        """The logits_to_keep a chunk's run is fed (0: every position) when the last `logits_to_keep` of the
+        input are asked for and `left` positions remain from this chunk on: only the ones asked for, and one
+        (to be dropped) where none is."""
+        if not logits_to_keep or not self.artifact.keeps_logits:
+            return 0
+        wanted = logits_to_keep - (left - chunk)  # how many of this chunk's positions are asked for
+        return chunk if wanted >= chunk else max(wanted, 1)
+
+    def _chunk(self, input_ids, attention_mask, cache: GatedCache, cache_position, kept: int = 0) -> torch.Tensor:
         """One run over a chunk, or one per row where GroupQueryAttention takes the chunk for one row only (it
-        follows cached positions); returns its logits `[batch, seq, vocab]`."""
+        follows cached positions); returns its logits `[batch, seq or kept, vocab]`."""
         batch, seq = input_ids.shape
         pasts = self._layers(cache, batch)
         by_row = self.artifact.attention == "gqa" and batch > 1 and seq > 1 and int(cache_position[0]) > 0
         if not by_row:
-            logits, presents = self._run(input_ids, attention_mask, pasts, cache_position)
+            logits, presents = self._run(input_ids, attention_mask, pasts, cache_position, kept)
             self._store(cache, presents, cache_position)
             return logits
         rows = [slice(row, row + 1) for row in range(batch)]
         runs = [
             self._run(input_ids[row], attention_mask[row], [{f: t[row] for f, t in layer.items()} for layer in pasts],
-                      cache_position)
+                      cache_position, kept)
             for row in rows
         ]  # fmt: skip
         joined = [
@@ -144,8 +158,11 @@ class OnnxFoxForCausalLM(PreTrainedModel, GenerationMixin):
         static one (its keys, values and gates are written where they lie)."""
         return [f for f in self.fields if not self.static or f.endswith("shift")]
 
-    def _run(self, input_ids, attention_mask, pasts: list[dict], cache_position) -> tuple[torch.Tensor, list[dict]]:
-        """One session run; returns the logits and each layer's presents (in place: the past tensor itself)."""
+    def _run(
+        self, input_ids, attention_mask, pasts: list[dict], cache_position, kept: int = 0
+    ) -> tuple[torch.Tensor, list[dict]]:
+        """One session run (`kept` > 0: the graph's logits_to_keep); returns the logits and each layer's presents
+        (in place: the past tensor itself)."""
         batch, seq = input_ids.shape
         binding = self.artifact.session.io_binding()
         held = [
@@ -154,7 +171,9 @@ class OnnxFoxForCausalLM(PreTrainedModel, GenerationMixin):
         ]
         if self.static:
             held.append(self._bind(binding.bind_input, "cache_position", cache_position))
-        logits = torch.empty(batch, seq, self.config.vocab_size, dtype=torch.float32, device=self.device)
+        if kept:
+            held.append(self._bind(binding.bind_input, "logits_to_keep", torch.tensor([kept])))
+        logits = torch.empty(batch, kept or seq, self.config.vocab_size, dtype=torch.float32, device=self.device)
         self._bind(binding.bind_output, "logits", logits)
         presents = []
         for index, layer in enumerate(pasts):

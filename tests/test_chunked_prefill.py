@@ -90,16 +90,17 @@ def test_eager_forward_with_a_cache_runs_a_long_input_in_chunks_as_one(monkeypat
 def test_the_transformers_model_over_an_artifact_runs_a_long_input_in_chunks_as_one(
     exported, monkeypatch, cache, attention
 ):
-    """OnnxFoxForCausalLM feeds a longer input in chunks, row by row where GroupQueryAttention needs it."""
+    """OnnxFoxForCausalLM feeds a longer input in chunks, row by row where GroupQueryAttention needs it; asked for
+    the last positions' logits alone (generate() asks for one), it gives those of one run."""
     model = OnnxFoxForCausalLM.from_pretrained(exported("fox-pro-tiny", cache, attention=attention)[0].path, "cpu")
     width = max(map(len, PROMPTS))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
     mask = (torch.arange(width) >= torch.tensor([width - len(p) for p in PROMPTS])[:, None]).long()
 
-    def run(chunk: int):
+    def run(chunk: int, logits_to_keep: int = 0):
         monkeypatch.setattr(onnx_model, "PREFILL_CHUNK", chunk)
         state = model.new_cache(len(PROMPTS))
-        logits = model(input_ids=ids, attention_mask=mask, past_key_values=state).logits
+        logits = model(input_ids=ids, attention_mask=mask, past_key_values=state, logits_to_keep=logits_to_keep).logits
         layer = state.layers[-1]
         return logits, [t[:, :, :width] for t in (layer.keys, layer.values, layer.gates)] + [layer.key_shift]
 
@@ -108,6 +109,8 @@ def test_the_transformers_model_over_an_artifact_runs_a_long_input_in_chunks_as_
     torch.testing.assert_close(chunked_logits, whole_logits, rtol=0, atol=1e-5)
     for chunked, whole in zip(chunked_cache, whole_cache, strict=True):
         torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-5)
+    for kept in (1, 6):  # within the last chunk, and across the last two
+        torch.testing.assert_close(run(4, kept)[0], whole_logits[:, -kept:], rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("keys", [1024, 16_640, 65_536])
