@@ -318,18 +318,11 @@ class Generator:
             pieces = []
             for index, (begin, end) in enumerate(spans):
                 row_chunk = (part.start, index, len(spans)) if by_row else None
-                chunk_logits = self._feed(
-                    binding,
-                    cache,
-                    ids[part, begin:end],
-                    mask[part],
-                    begin,
-                    run,
-                    row_chunk,
-                    last_only=not every_position,
+                out = self._feed(
+                    binding, cache, ids[part, begin:end], mask[part], begin, run, row_chunk, not every_position
                 )
                 if every_position or end == width:
-                    pieces.append(chunk_logits.numpy())
+                    pieces.append(out.numpy())
             logits.append(np.concatenate(pieces, axis=1) if every_position else pieces[-1][:, -1])
         return np.concatenate(logits, axis=0)
 
