@@ -303,3 +303,14 @@ def test_decay_after_sums_the_gates_after_each_position():
     log_gates = -torch.rand(2, 3, 17) * 5
     naive = torch.stack([log_gates.double()[..., j + 1 :].sum(-1) for j in range(17)], dim=-1)
     torch.testing.assert_close(decay_after(log_gates).double(), naive, rtol=0, atol=17 * 5 * 2e-7)
+
+
+def test_decay_after_backpropagates_as_its_sums_do():
+    """Training attends through gate_bias, so decay_after's gradient must be that of the sums it stands for."""
+    log_gates = (-torch.rand(2, 3, 9, dtype=torch.float64)).requires_grad_()
+    weights = torch.randn(2, 3, 9, dtype=torch.float64)
+    (decay_after(log_gates) * weights).sum().backward()
+    naive = log_gates.detach().clone().requires_grad_()
+    sums = torch.stack([naive[..., j + 1 :].sum(-1) for j in range(9)], dim=-1)
+    (sums * weights).sum().backward()
+    torch.testing.assert_close(log_gates.grad, naive.grad)

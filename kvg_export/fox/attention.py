@@ -35,6 +35,14 @@ def _(log_gates):
     return torch.empty_like(log_gates)
 
 
+def _decay_after_backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+    """Gate l is in the sums of the positions before it: its gradient is theirs summed, forwards."""
+    return F.pad(grad[..., :-1].cumsum(-1), (1, 0))
+
+
+decay_after.register_autograd(_decay_after_backward)  # training attends through gate_bias
+
+
 def gate_bias(log_gates: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
     """c_i - c_j, float32 `[batch, heads, seq, kv_len]`, from log_gates `[batch, heads, kv_len]` and
     query_positions `[seq]`, each query's slot in the cache.
