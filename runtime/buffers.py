@@ -58,8 +58,18 @@ def bind_rows(bind, name: str, value: ort.OrtValue, dtype: str, device: str, fir
     bind(name, device, 0, element_type(dtype), [count, *shape[1:]], value.data_ptr() + first * row_bytes)
 
 
-def writes_held_buffer(chunk: int, chunks: int) -> bool:
-    """A row's shift state, prefilled alone in `chunks` chunks, goes back and forth between its two buffers
-    (each chunk reads one and writes the other): whether chunk `chunk` writes the buffer the next decode
-    step reads, so that the last chunk does."""
-    return (chunks - 1 - chunk) % 2 == 0
+def bind_row_state(
+    binding: ort.IOBinding, names: tuple[str, str], states: tuple[ort.OrtValue, ort.OrtValue, ort.OrtValue],
+    dtype: str, device: str, row: int, chunk: int, chunks: int,
+) -> None:  # fmt: skip
+    """Bind a state that a run reads and replaces (a shift state) for chunk `chunk` of `chunks` of a prompt
+    prefilled into `row` alone. `names`: its past input and present output; `states`: the buffer the next decode
+    step reads, its spare, and a one-row zero state the first chunk reads. The row's state goes back and
+    forth between the two (each chunk reads one and writes the other), so that the last chunk writes the one
+    decode reads."""
+    past, present = names
+    held, spare, fresh = states
+    written, other = (held, spare) if (chunks - 1 - chunk) % 2 == 0 else (spare, held)
+    source, source_row = (fresh, 0) if chunk == 0 else (other, row)
+    bind_rows(binding.bind_input, past, source, dtype, device, source_row, 1)
+    bind_rows(binding.bind_output, present, written, dtype, device, row, 1)

@@ -104,15 +104,10 @@ class DeviceCache:
                 buffers.bind_rows(binding.bind_input, past, self.past[past], dtype, self.device, row, 1)
                 buffers.bind_rows(binding.bind_output, present, self.past[past], dtype, self.device, row, 1)
                 continue
-            held = buffers.writes_held_buffer(chunk, chunks)
-            written, other = (self.past, self.spare) if held else (self.spare, self.past)
-            if chunk == 0:
-                if past not in self.fresh:
-                    self.fresh[past] = buffers.zeros([1, *self.past[past].shape()[1:]], dtype, self.device)
-                binding.bind_ortvalue_input(past, self.fresh[past])
-            else:
-                buffers.bind_rows(binding.bind_input, past, other[past], dtype, self.device, row, 1)
-            buffers.bind_rows(binding.bind_output, present, written[past], dtype, self.device, row, 1)
+            if past not in self.fresh:
+                self.fresh[past] = buffers.zeros([1, *self.past[past].shape()[1:]], dtype, self.device)
+            held = (self.past[past], self.spare[past], self.fresh[past])
+            buffers.bind_row_state(binding, (past, present), held, dtype, self.device, row, chunk, chunks)
         self.moved = True  # the next decode step binds every row again
 
     def rebind(self, binding: ort.IOBinding) -> None:

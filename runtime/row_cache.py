@@ -65,12 +65,9 @@ class RowCache:
         for past, present in self.slotted:
             self._bind(binding.bind_input, past, past, self.buffers[past], row, 1)
             self._bind(binding.bind_output, present, past, self.buffers[past], row, 1)
-        writes_buffer = buffers.writes_held_buffer(chunk, chunks)
         for past, present in self.shifted:
-            written, other = (self.buffers, self.spare) if writes_buffer else (self.spare, self.buffers)
-            source, source_row = (self.fresh[past], 0) if chunk == 0 else (other[past], row)
-            self._bind(binding.bind_input, past, past, source, source_row, 1)
-            self._bind(binding.bind_output, present, past, written[past], row, 1)
+            held = (self.buffers[past], self.spare[past], self.fresh[past])
+            buffers.bind_row_state(binding, (past, present), held, self.dtypes[past], self.device, row, chunk, chunks)
 
     def move(self, rows: list[int], begin: int, end: int, to: int) -> None:
         """Move slots [begin, end) of `rows` to start at slot `to`, in every key, value and gate buffer."""
