@@ -41,6 +41,9 @@ class OnnxFoxForCausalLM(PreTrainedModel, GenerationMixin):
         self.session_device = torch.device("cuda", 0) if artifact.device == "cuda" else torch.device("cpu")
         self.fields = [name.split(".", 2)[2] for name in artifact.past_names() if name.startswith("past_key_values.0.")]
         self.dtype_name = artifact.manifest["dtype"]
+        # The fields a run gives new tensors for: all of them on a dynamic cache, the shift states on a static one
+        # (its keys, values and gates are written where they lie)
+        self.written_fields = [f for f in self.fields if not artifact.static or f.endswith("shift")]
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, provider: str = "auto", threads: int = 0):
@@ -110,24 +113,27 @@ class OnnxFoxForCausalLM(PreTrainedModel, GenerationMixin):
             cache_position = torch.arange(filled, filled + seq)
         if attention_mask is None:
             attention_mask = torch.ones(batch, filled + seq, dtype=torch.long)
-        logits = []
-        for begin in range(0, seq, PREFILL_CHUNK):
-            slots = cache_position[begin : begin + PREFILL_CHUNK]
-            mask = attention_mask[:, : int(slots[-1]) + 1]
-            kept = self._kept(logits_to_keep, seq - begin, len(slots))
-            logits.append(self._chunk(input_ids[:, begin : begin + PREFILL_CHUNK], mask, cache, slots, kept))
-        logits = torch.cat(logits, dim=1)
+        if seq <= PREFILL_CHUNK:  # a decode step: no slicing, and no read of a device position back to the host
+            logits = self._chunk(input_ids, attention_mask, cache, cache_position, self._kept(logits_to_keep, seq, seq))
+        else:
+            logits = []
+            for begin in range(0, seq, PREFILL_CHUNK):
+                slots = cache_position[begin : begin + PREFILL_CHUNK]
+                mask = attention_mask[:, : int(slots[-1]) + 1]
+                kept = self._kept(logits_to_keep, seq - begin, len(slots))
+                logits.append(self._chunk(input_ids[:, begin : begin + PREFILL_CHUNK], mask, cache, slots, kept))
+            logits = torch.cat(logits, dim=1)
         return CausalLMOutputWithPast(logits=logits[:, -logits_to_keep:] if logits_to_keep else logits,
                                       past_key_values=cache)  # fmt: skip
 
     def _kept(self, logits_to_keep: int, left: int, chunk: int) -> int:
-        """The logits_to_keep a chunk's run is fed (0: every position) when the last `logits_to_keep` of the
-        input are asked for and `left` positions remain from this chunk on: only the ones asked for, and one
-        (to be dropped) where none is."""
+        """The logits_to_keep a chunk's run is fed when the last `logits_to_keep` of the input are asked for and
+        `left` positions remain from this chunk on: 0 (the default, every position) where all of the chunk's are
+        asked for, as in a decode step, else the ones asked for, and one (to be dropped) where none is."""
         if not logits_to_keep or not self.artifact.keeps_logits:
             return 0
         wanted = logits_to_keep - (left - chunk)  # how many of this chunk's positions are asked for
-        return chunk if wanted >= chunk else max(wanted, 1)
+        return 0 if wanted >= chunk else max(wanted, 1)
 
     def _chunk(self, input_ids, attention_mask, cache: GatedCache, cache_position, kept: int = 0) -> torch.Tensor:
         """One run over a chunk, or one per row where GroupQueryAttention takes the chunk for one row only (it
@@ -146,17 +152,11 @@ class OnnxFoxForCausalLM(PreTrainedModel, GenerationMixin):
             for row in rows
         ]  # fmt: skip
         joined = [
-            {field: torch.cat([presents[index][field] for _, presents in runs]) for field in self._written_fields}
+            {field: torch.cat([presents[index][field] for _, presents in runs]) for field in self.written_fields}
             for index in range(len(pasts))
         ]
         self._store(cache, joined, cache_position)
         return torch.cat([logits for logits, _ in runs])
-
-    @property
-    def _written_fields(self) -> list[str]:
-        """The cache fields a run gives new tensors for: all of them on a dynamic cache, the shift states on a
-        static one (its keys, values and gates are written where they lie)."""
-        return [f for f in self.fields if not self.static or f.endswith("shift")]
 
     def _run(
         self, input_ids, attention_mask, pasts: list[dict], cache_position, kept: int = 0
@@ -180,7 +180,7 @@ class OnnxFoxForCausalLM(PreTrainedModel, GenerationMixin):
             written = {}
             for field in self.fields:
                 past = layer[field]
-                in_place = field not in self._written_fields
+                in_place = field not in self.written_fields
                 present = past if in_place else torch.empty(self._present_shape(past, field, seq), dtype=past.dtype,
                                                             device=self.device)  # fmt: skip
                 held.append(self._bind(binding.bind_input, f"past_key_values.{index}.{field}", past))
