@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from runtime.artifact import ArtifactError
-from runtime.generator import KEEP_LAST, GenerationConfig, Generator, chunk_size, chunk_spans
+from runtime.generator import GenerationConfig, Generator, bind_chunk, chunk_size, chunk_spans
 from runtime.row_cache import RowCache
 from runtime.sampling import Sampler
 
@@ -234,16 +234,10 @@ class Engine:
             len(prompt), chunk_size(self.generator.artifact, 1, self.cache.length, config.prefill_chunk)
         )
         for index, (start, end) in enumerate(spans):
-            binding.clear_binding_inputs()
-            binding.clear_binding_outputs()
-            binding.bind_cpu_input("input_ids", np.array([prompt[start:end]], dtype=np.int64))
             mask = np.zeros((1, begin + end), dtype=np.int64)
             mask[:, begin:] = 1
-            binding.bind_cpu_input("attention_mask", mask)
-            binding.bind_cpu_input("cache_position", np.arange(begin + start, begin + end, dtype=np.int64))
-            if self.generator.artifact.keeps_logits:
-                binding.bind_ortvalue_input("logits_to_keep", KEEP_LAST)
-            binding.bind_output("logits", self.cache.device)
+            ids = np.array([prompt[start:end]], dtype=np.int64)
+            bind_chunk(binding, self.generator.artifact, ids, mask, begin + start, self.cache.device, last_only=True)
             self.cache.bind_row(binding, row, index, len(spans))
             session.run_with_iobinding(binding)
         logits = binding.get_outputs()[0].numpy()[:, -1]

@@ -335,15 +335,7 @@ class Generator:
         on a graph that can spare the others). `row_chunk` (row, chunk, chunks): the chunk is that row's alone
         (see `DeviceCache.bind_row`)."""
         new = chunk.shape[1]
-        binding.clear_binding_inputs()
-        binding.clear_binding_outputs()
-        binding.bind_cpu_input("input_ids", np.ascontiguousarray(chunk))
-        binding.bind_cpu_input("attention_mask", np.ascontiguousarray(mask[:, : filled + new]))
-        if self.artifact.static:
-            binding.bind_cpu_input("cache_position", np.arange(filled, filled + new, dtype=np.int64))
-        if last_only and self.artifact.keeps_logits:
-            binding.bind_ortvalue_input("logits_to_keep", KEEP_LAST)
-        binding.bind_output("logits", cache.device)
+        bind_chunk(binding, self.artifact, chunk, mask[:, : filled + new], filled, cache.device, last_only)
         if row_chunk is None:
             cache.bind(binding)
         else:
@@ -353,6 +345,24 @@ class Generator:
         if row_chunk is None:
             cache.advance(outputs)
         return outputs[0]
+
+
+def bind_chunk(
+    binding: ort.IOBinding, artifact: Artifact, ids: np.ndarray, mask: np.ndarray, filled: int, device: str,
+    last_only: bool,
+) -> None:  # fmt: skip
+    """Bind a prompt chunk's inputs (ids `[batch, new]` after `filled` slots, `mask` `[batch, filled + new]`)
+    and its logits output, in place of the last run's; `last_only`: its last position's logits alone, where the
+    graph can spare the others (exporters/last_logits.py). The cache is the caller's to bind."""
+    binding.clear_binding_inputs()
+    binding.clear_binding_outputs()
+    binding.bind_cpu_input("input_ids", np.ascontiguousarray(ids))
+    binding.bind_cpu_input("attention_mask", np.ascontiguousarray(mask))
+    if artifact.static:
+        binding.bind_cpu_input("cache_position", np.arange(filled, filled + ids.shape[1], dtype=np.int64))
+    if last_only and artifact.keeps_logits:
+        binding.bind_ortvalue_input("logits_to_keep", KEEP_LAST)
+    binding.bind_output("logits", device)
 
 
 def chunk_size(artifact: Artifact, rows: int, keys: int, most: int) -> int:
