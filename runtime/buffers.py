@@ -50,6 +50,14 @@ def write_back(value: ort.OrtValue, host: np.ndarray, dtype: str, device: str) -
         value.update_inplace(host)
 
 
+def move_slots(value: ort.OrtValue, dtype: str, device: str, rows, begin: int, end: int, to: int) -> None:
+    """Move slots [begin, end) of `rows` (an index of the leading axis) to start at slot `to`; the slots are the
+    third axis (keys, values `[batch, heads, slots, dim]`, gates `[batch, heads, slots]`)."""
+    held = to_host(value, dtype)
+    held[rows, :, to : to + end - begin] = held[rows, :, begin:end]  # numpy copies through a buffer if they overlap
+    write_back(value, held, dtype, device)
+
+
 def bind_rows(bind, name: str, value: ort.OrtValue, dtype: str, device: str, first: int, count: int) -> None:
     """Bind rows [first, first + count) of `value` (batch its leading axis) as input or output `name` of a
     binding (`bind`: its bind_input or bind_output), by address: a view, nothing copied."""

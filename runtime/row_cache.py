@@ -74,7 +74,4 @@ class RowCache:
         if not rows or begin == to:
             return
         for past, _ in self.slotted:
-            value, dtype = self.buffers[past], self.dtypes[past]
-            held = buffers.to_host(value, dtype)
-            held[rows, :, to : to + end - begin] = held[rows, :, begin:end]
-            buffers.write_back(value, held, dtype, self.device)
+            buffers.move_slots(self.buffers[past], self.dtypes[past], self.device, rows, begin, end, to)
