@@ -41,7 +41,7 @@ class CacheCheck:
 
 def check_cache(folder: Path, batch: int = 2) -> CacheCheck:
     """Generate with the runtime and replay through `session.run`; see the module docstring."""
-    generator = Generator.open(folder, SessionOptions(provider="cpu"))
+    generator = Generator.open(folder, SessionOptions(provider="cpu"), None)  # against session.run: every key
     manifest, session = generator.artifact.manifest, generator.artifact.session
     static = generator.artifact.static
     ids, mask = (t.numpy() for t in validation_prompt(manifest["model"]["vocab_size"], batch, generator.pad))

@@ -11,6 +11,7 @@ from exporters.evaluate import Thresholds
 from exporters.export import ExportError, ExportOptions, QualityOptions, export_artifact
 from exporters.onnx_export import DEFAULT_OPSET
 from exporters.quantize import Quantization, QuantizationError
+from runtime.pruning import parse_tolerance
 
 QUANTIZATION_FLAGS = ("block_size", "quant_method", "accuracy_level", "keep_float", "symmetric")
 
@@ -90,6 +91,11 @@ def parse_args(argv: list[str] | None) -> ExportOptions:
         "(opset 24; CPU and CUDA); standard: ONNX MatMul and Softmax, any provider, copying the cache; "
         "auto (default): gqa, except fp32 for --provider cuda: onnx-attention with a static cache, else standard",
     )
+    parser.add_argument(
+        "--log-pruning-tolerance", type=parse_tolerance, default=argparse.SUPPRESS, metavar="X|none",
+        help="let the runtime drop cached keys whose weight in any later query is provably below e^X (the official "
+        "examples use -10); default: the checkpoint config's log_pruning_tolerance; none: keep every key",
+    )  # fmt: skip
     parser.add_argument(
         "--force", action="store_true", help="replace an existing artifact (only once the new one is good)"
     )

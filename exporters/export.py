@@ -27,8 +27,11 @@ from exporters.onnx_export import DEFAULT_OPSET, DYNAMIC_MAX_POSITIONS, export_p
 from exporters.quantize import Quantization, QuantizationError, quantize_graph
 from exporters.validate import MIN_STATIC_LENGTH, ValidationReport, validate_export
 from kvg_export.folders import publish, staging_folder
+from kvg_export.fox.pruning import bound_kind, score_bounds
 from kvg_export.presets import load_model, resolve_checkpoint
+from runtime.pruning import check_tolerance
 
+AS_CONFIG = "config"  # --log-pruning-tolerance's default: the checkpoint config's log_pruning_tolerance
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 ATTENTION_KINDS = ("auto", "standard", "gqa", "onnx-attention")
 IN_PLACE_KINDS = ("gqa", "onnx-attention")  # attention ops that write keys and values into the bound buffer
@@ -76,6 +79,7 @@ class ExportOptions:
     force: bool = False
     provider: str = "cpu"
     attention: str = "auto"  # auto, standard or gqa (see check_options)
+    log_pruning_tolerance: float | str | None = AS_CONFIG  # a number, AS_CONFIG, or None: no pruning by default
     quantization: Quantization | None = None
     quality: QualityOptions = field(default_factory=QualityOptions)
 
@@ -124,6 +128,7 @@ def check_options(options: ExportOptions) -> ExportOptions:
             "export it with --provider cpu"
         )
     options.attention = _attention(options)
+    _check_pruning(options)
     options.opset = _opset(options)
     out = options.out
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not options.force:
@@ -155,6 +160,50 @@ def _attention(options: ExportOptions) -> str:
             "--attention onnx-attention writes a buffer of fixed length (TensorScatter); use it with --cache static"
         )
     return attention
+
+
+def _check_pruning(options: ExportOptions) -> None:
+    """A tolerance asked for must be one the runtime can prune at, with a cache it can prune."""
+    if options.log_pruning_tolerance in (None, AS_CONFIG):
+        return
+    try:
+        check_tolerance(options.log_pruning_tolerance)
+    except ValueError as error:
+        raise ExportError(f"--log-pruning-tolerance: {error}") from None
+    if not _prunable(options):
+        raise ExportError(
+            "forget-gate pruning drops slots from a cache held in place: use --cache static or --attention gqa, "
+            "or --log-pruning-tolerance none"
+        )
+
+
+def _prunable(options: ExportOptions) -> bool:
+    """Whether the runtime can move this artifact's cache slots (a static cache, or a dynamic one held in place)."""
+    return options.cache == "static" or options.attention == "gqa"
+
+
+def _pruning(options: ExportOptions, model) -> dict | None:
+    """The manifest's pruning record: the tolerance the runtime prunes at by default (None: it does not) and the
+    score bounds it prunes with at any tolerance; None for a cache the runtime cannot prune."""
+    if not _prunable(options):
+        return None
+    tolerance = options.log_pruning_tolerance
+    if tolerance == AS_CONFIG:
+        tolerance = model.config.log_pruning_tolerance
+    return {"log_pruning_tolerance": tolerance, "score_bounds": score_bounds(model), "bound": bound_kind(model.config)}
+
+
+def _describe_pruning(pruning: dict | None) -> str:
+    if pruning is None:
+        return "none: this cache is not held in place (use --cache static or --attention gqa to prune)"
+    bounds = (
+        f"score bounds from {pruning['bound']}, {min(map(min, pruning['score_bounds'])):.2f} to "
+        f"{max(map(max, pruning['score_bounds'])):.2f}"
+    )
+    tolerance = pruning["log_pruning_tolerance"]
+    if tolerance is None:
+        return f"off by default ({bounds}; the runtime may prune at a tolerance it is given)"
+    return f"the runtime drops cached keys weighing under e^{tolerance:g} in any later query ({bounds})"
 
 
 def _opset(options: ExportOptions) -> int:
@@ -282,6 +331,8 @@ def _build(options: ExportOptions, staging: Path, log: Callable[[str], None]) ->
     if not report.passed:
         raise ExportError(f"validation failed: {report.failure}; nothing was written to {options.out}")
     manifest["validation"] = report.summary()
+    manifest["pruning"] = _pruning(options, model)
+    log(f"pruning   {_describe_pruning(manifest['pruning'])}")
     for name in files:
         shutil.copy2(checkpoint / name, staging / name)
     result = ExportResult(staging, 0, report)

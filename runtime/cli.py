@@ -7,6 +7,7 @@ import sys
 
 from runtime.artifact import ArtifactError, SessionOptions, unrunnable
 from runtime.generator import GenerationConfig, Generator
+from runtime.pruning import AS_EXPORTED, describe, parse_tolerance
 from runtime.sampling import SamplingConfig
 
 
@@ -34,6 +35,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
     parser.add_argument("--seed", type=int)
     parser.add_argument("--stream", action="store_true", help="print tokens as they are produced")
+    parser.add_argument(
+        "--log-pruning-tolerance", type=parse_tolerance, default=argparse.SUPPRESS, metavar="X|none",
+        help="drop cached keys whose weight in any later query is provably below e^X (default: as exported)",
+    )  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -42,14 +47,18 @@ def main(argv: list[str] | None = None) -> int:
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.repetition_penalty, args.seed)
     config = GenerationConfig(args.max_new_tokens, args.min_new_tokens, tuple(args.stop), sampling)
     try:
-        generator = Generator.open(args.artifact, SessionOptions(args.provider, args.threads))
+        options = SessionOptions(args.provider, args.threads)
+        generator = Generator.open(args.artifact, options, getattr(args, "log_pruning_tolerance", AS_EXPORTED))
         device = generator.artifact.device.upper()
         why = ""
         if args.provider == "auto" and device == "CPU":
             gqa = unrunnable("cuda", generator.artifact.manifest) is not None
             why = " (its fp32 GroupQueryAttention runs on the CPU provider)" if gqa else " (CUDA is not usable here)"
         artifact = generator.artifact
-        print(f"kvg-generate: {artifact.folder} on {device}{why}, {artifact.weights}", file=sys.stderr)
+        print(
+            f"kvg-generate: {artifact.folder} on {device}{why}, {artifact.weights}, {describe(generator.pruning)}",
+            file=sys.stderr,
+        )
         prompts = args.prompt or args.ids
         if args.stream and len(prompts) == 1:
             stream = generator.stream(prompts, config)
@@ -71,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     first_ms = result.time_to_first_token_s * 1e3
     print(
         f"kvg-generate: {sum(map(len, result.tokens))} tokens, first after {first_ms:.1f} ms, "
-        f"decode {result.decode_tokens_per_s:.1f} tokens/s",
+        f"decode {result.decode_tokens_per_s:.1f} tokens/s"
+        + (f", {result.pruned_positions:,} oldest positions dropped from the cache" if generator.pruning else ""),
         file=sys.stderr,
     )
     return 0

@@ -20,6 +20,9 @@ import onnxruntime as ort
 
 from runtime import buffers
 from runtime.artifact import Artifact
+from runtime.pruning import PruningError, droppable
+
+PRUNE_EVERY = 64  # decode steps between two prunings (each sums every head's gates over the window)
 
 
 def _field(name: str) -> str:
@@ -41,6 +44,10 @@ class DeviceCache:
         self.past: dict[str, ort.OrtValue] = {}
         self.spare: dict[str, ort.OrtValue] = {}  # swapped tensors: the buffer present is written to
         self.fresh: dict[str, ort.OrtValue] = {}  # swapped tensors: a row's zero state, for `bind_row`
+        self.gate_names = [past for past in artifact.past_names() if _field(past) == "gate"]  # by layer
+        limit = artifact.manifest["cache"]["max_cache_len"]
+        self.capacity = limit if in_place else None  # the slots a pruned request may fill (None: any number)
+        self.thresholds: np.ndarray | None = None  # per layer and head, while a pruned request runs
         self.reset()
 
     def reserve(self, length: int) -> None:
@@ -69,12 +76,60 @@ class DeviceCache:
         In-place buffers are allocated zeroed once and then kept: a stale slot is never attended (it lies
         after the query, with weight exactly 0, or is rewritten first), but it must be finite, since
         0 * NaN is NaN. Everything else restarts from zero (shift states) or from empty every generation.
+        Pruning stops until `prune_with` starts it again.
         """
+        self.offset, self.thresholds = 0, None  # positions dropped from the front of the in-place buffers
+        self.pruned_at = 0  # the filled positions when slots were last dropped
         for past, _ in self.pairs:
             if past not in self.in_place or past not in self.past:
                 self.past[past] = self._zeros(past)
             if past in self.swapped:
                 self.spare[past] = self._zeros(past)
+
+    def prune_with(self, thresholds) -> None:
+        """Drop the slots every head's decay has put below its threshold (`[layers, heads]`, see
+        runtime/pruning.py) from now on."""
+        self.thresholds = np.asarray(thresholds)
+
+    def window_mask(self, mask: np.ndarray, end: int) -> np.ndarray:
+        """The attention mask of positions [offset, end) `[batch, end - offset]` for the slots the buffers hold.
+        Its first column counts the positions dropped before it as well, so that the mask's running sum (a
+        token's RoPE position) stays that of the whole sequence; a 0 (padding, or a finished row) stays 0."""
+        window = np.array(mask[:, self.offset : end])
+        if self.offset:
+            window[:, 0] = np.where(window[:, 0] > 0, mask[:, : self.offset + 1].sum(-1), 0)
+        return window
+
+    def make_room(self, filled: int, new: int, rows) -> int:
+        """Before a run of up to `new` positions after `filled`: drop (when pruning) the slots that `rows` (those
+        still generating) no longer need, at least every PRUNE_EVERY positions, every chunk of a prompt and
+        whenever the new ones would not fit otherwise. Returns how many of the `new` positions fit (all, without
+        pruning: `Generator.check_request` saw to that); raises PruningError naming the head that leaves no
+        room for one."""
+        slots = filled - self.offset
+        full = self.capacity is not None and slots + new > self.capacity
+        if self.thresholds is None or not (full or new > 1 or filled - self.pruned_at >= PRUNE_EVERY):
+            return new
+        self.pruned_at = filled
+        needs = [slots - droppable(buffers.to_host(self.past[name], "float32")[rows, :, :slots], thresholds).min(0)
+                 for name, thresholds in zip(self.gate_names, self.thresholds, strict=True)]  # fmt: skip
+        layer = max(range(len(needs)), key=lambda i: needs[i].max())  # the head that needs most: [layer][head]
+        head = int(needs[layer].argmax())
+        needed = int(needs[layer][head])
+        room = new if self.capacity is None else min(new, self.capacity - needed)
+        if room < 1:
+            raise PruningError(
+                f"layer {layer} head {head} still weighs all of its last {needed} positions above the pruning "
+                f"threshold ({self.thresholds[layer][head]:.1f}), which leaves no room for a new one in this "
+                f"artifact's {self.capacity} slots; re-export with a larger --max-cache-len, or prune more (a higher "
+                "--log-pruning-tolerance)"
+            )
+        if needed < slots:
+            for past in self.in_place:
+                dtype = self.artifact.input_spec(past)["dtype"]
+                buffers.move_slots(self.past[past], dtype, self.device, slice(None), slots - needed, slots, 0)
+            self.offset += slots - needed
+        return room
 
     @property
     def feeds_back(self) -> bool:

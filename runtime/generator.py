@@ -11,7 +11,6 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +18,9 @@ import onnxruntime as ort
 from tokenizers import Tokenizer
 
 from runtime.artifact import Artifact, ArtifactError, SessionOptions
+from runtime.decode_step import DecodeStep
 from runtime.device_cache import DeviceCache
+from runtime.pruning import AS_EXPORTED, Pruning, Tolerance
 from runtime.sampling import Sampler, SamplingConfig
 from runtime.text_stream import TextStream
 
@@ -59,6 +60,7 @@ class GenerationResult:
     onnxruntime_s: float  # time inside session runs; the rest of the wall time is the loop's own
     decode_onnxruntime_s: float  # the part of onnxruntime_s spent in decode steps (after the first token)
     wall_s: float
+    pruned_positions: int  # the oldest positions forget-gate pruning dropped from the cache by the end
     step_logits: list[np.ndarray] = field(default_factory=list, repr=False)  # when asked: [batch, vocab] per step
 
 
@@ -70,8 +72,21 @@ class Generator:
     runs one session for several callers at once. A call never shares its buffers with another.
     """
 
-    def __init__(self, artifact: Artifact, tokenizer: Tokenizer | None = None):
+    def __init__(
+        self, artifact: Artifact, tokenizer: Tokenizer | None = None, log_pruning_tolerance: Tolerance = AS_EXPORTED
+    ):  # fmt: skip
+        """`log_pruning_tolerance`: forget-gate pruning as the artifact was exported with ("artifact"), at another
+        tolerance, or none (None); see runtime/pruning.py."""
         self.artifact, self.tokenizer = artifact, tokenizer
+        try:
+            self.pruning = Pruning.of(artifact.manifest, log_pruning_tolerance)
+        except ValueError as error:
+            raise ArtifactError(str(error)) from None
+        if self.pruning is not None and not (artifact.static or artifact.attention == "gqa"):
+            raise ArtifactError(  # only a cache held in place can move its slots
+                "forget-gate pruning needs a static cache or gqa attention; this dynamic artifact copies its cache "
+                "each step: run it with log_pruning_tolerance None, or re-export it with --cache static"
+            )
         tokens = artifact.manifest["special_tokens"]
         self.eos = tuple(tokens["eos"] or ())
         self.pad = tokens["pad"] if tokens["pad"] is not None else (self.eos[0] if self.eos else 0)
@@ -80,11 +95,13 @@ class Generator:
         self._idle_lock = threading.Lock()
 
     @classmethod
-    def open(cls, folder: str | Path, options: SessionOptions | None = None) -> Generator:
+    def open(
+        cls, folder: str | Path, options: SessionOptions | None = None, log_pruning_tolerance: Tolerance = AS_EXPORTED
+    ) -> Generator:  # fmt: skip
         artifact = Artifact.open(folder, options or SessionOptions())
         name = artifact.manifest["files"].get("tokenizer")
         tokenizer = Tokenizer.from_file(str(artifact.folder / name)) if name else None
-        return cls(artifact, tokenizer)
+        return cls(artifact, tokenizer, log_pruning_tolerance)
 
     def encode(self, prompts: str | list[str] | list[list[int]]) -> list[list[int]]:
         if isinstance(prompts, str):
@@ -112,7 +129,8 @@ class Generator:
         if config.max_new_tokens < 1 or not 0 <= config.min_new_tokens <= config.max_new_tokens:
             raise ArtifactError("need max_new_tokens >= 1 and 0 <= min_new_tokens <= max_new_tokens")
         needed = max(map(len, prompts)) + config.max_new_tokens - 1  # the last new token is never fed back
-        if limits["max_cache_len"] is not None and needed > limits["max_cache_len"]:
+        pruned = self.pruning is not None  # slots bound the kept positions then, not all of them
+        if limits["max_cache_len"] is not None and needed > limits["max_cache_len"] and not pruned:
             raise ArtifactError(
                 f"prompt ({max(map(len, prompts))} tokens) plus max_new_tokens ({config.max_new_tokens}) needs "
                 f"{needed} cache positions, over this artifact's max_cache_len {limits['max_cache_len']}; "
@@ -171,15 +189,13 @@ class Generator:
         cache: DeviceCache,
     ):  # fmt: skip
         start = time.perf_counter()
-        batch, width = len(prompts), max(map(len, prompts))
-        ids = np.full((batch, width), self.pad, dtype=np.int64)
-        # Every new position is attended until its row stops, when the rest of the row is masked
-        mask = np.ones((batch, width + config.max_new_tokens), dtype=np.int64)
-        for row, prompt in enumerate(prompts):
-            ids[row, width - len(prompt) :], mask[row, : width - len(prompt)] = prompt, 0
-        static = self.artifact.static
-        cache.reserve(width + min(config.max_new_tokens - 1, RESERVED_NEW_TOKENS))  # the last is never fed back
+        ids, mask = left_padded(prompts, self.pad, config.max_new_tokens)
+        batch, width = ids.shape
+        self._start_pruning(cache, width + config.max_new_tokens - 1)  # the last new token is never fed back
+        if cache.thresholds is None:  # a pruned cache grows as its window does, if it grows at all
+            cache.reserve(width + min(config.max_new_tokens - 1, RESERVED_NEW_TOKENS))
         binding = self.artifact.session.io_binding()
+        run = SessionClock(self.artifact.session, binding)
         sampler = Sampler(config.sampling)
         stop_ids = set(self.eos) | set(config.stop_tokens)
         stops = np.array(sorted(stop_ids), dtype=np.int64)
@@ -189,56 +205,11 @@ class Generator:
         reasons = ["length"] * batch
         done, finished = np.zeros(batch, dtype=bool), 0
         texts = [TextStream(self.tokenizer) for _ in range(batch)] if text_events and self.tokenizer else None
-        ort_s, step_logits, first_token_s = 0.0, [], None
+        step_logits, first_token_s = [], None
 
-        def run_session() -> None:
-            nonlocal ort_s
-            began = time.perf_counter()
-            self.artifact.session.run_with_iobinding(binding)
-            ort_s += time.perf_counter() - began
-
-        on_host = cache.device == "cpu"
-        step_inputs = ("input_ids", "cache_position") if static else ("input_ids",)
-        step_io: dict[str, tuple[np.ndarray, ort.OrtValue]] = {}  # ids, position, logits: host array, bound value
-
-        def bind_step_buffers() -> None:
-            """Ids, cache position and logits keep one buffer each for every decode step (on the CPU, numpy
-            arrays that onnxruntime reads and writes in place, so nothing is copied through pybind)."""
-            binding.clear_binding_inputs()
-            binding.clear_binding_outputs()
-            arrays = {
-                "input_ids": np.empty((batch, 1), dtype=np.int64),
-                "cache_position": np.empty(1, dtype=np.int64),
-                "logits": np.empty((batch, 1, self.artifact.vocab_size), dtype=np.float32),
-            }
-            for name in (*step_inputs, "logits"):
-                step_io[name] = (arrays[name], ort.OrtValue.ortvalue_from_numpy(arrays[name], cache.device, 0))
-                bind = binding.bind_ortvalue_output if name == "logits" else binding.bind_ortvalue_input
-                bind(name, step_io[name][1])
-            cache.bind(binding)
-
-        def decode(token: np.ndarray, filled: int) -> np.ndarray:
-            """One decode step. Besides writing the token (and position) into their buffers, it renews only the
-            mask's binding (one column longer each step) and what the cache changed (nothing, for a cache held
-            all in place)."""
-            cache.reserve(filled + 1)
-            if not step_io:
-                bind_step_buffers()
-            else:
-                cache.rebind(binding)
-            for name, value in zip(step_inputs, (token, filled), strict=False):  # dynamic: no position
-                host, device = step_io[name]
-                host[...] = value
-                if not on_host:
-                    device.update_inplace(host)
-            binding.bind_cpu_input("attention_mask", np.ascontiguousarray(mask[:, : filled + 1]))
-            run_session()
-            cache.advance(binding.get_outputs() if cache.feeds_back else None)
-            host, device = step_io["logits"]
-            return (host if on_host else device.numpy())[:, -1]
-
-        logits = self._prefill(binding, cache, ids, mask, config.prefill_chunk, run_session)
-        prefill_ort_s = ort_s
+        logits = self._prefill(binding, cache, ids, mask, config.prefill_chunk, run)
+        prefill_ort_s = run.seconds
+        decode_one_token = DecodeStep(self.artifact, cache, binding, run)
         filled = width
         for step in range(config.max_new_tokens):
             banned = stops if step < config.min_new_tokens and stops.size else None
@@ -266,7 +237,7 @@ class Generator:
                     finished += 1
             if finished == batch or step + 1 == config.max_new_tokens:
                 break
-            logits = decode(chosen[:, None], filled)
+            logits = decode_one_token(chosen[:, None], mask, filled, ~done)
             filled += 1
         wall = time.perf_counter() - start
         decode_tokens = sum(max(len(g) - 1, 0) for g in generated)
@@ -278,11 +249,17 @@ class Generator:
             time_to_first_token_s=first_token_s,
             decode_tokens_per_s=decode_tokens / decode_s if decode_s > 0 else float("inf"),
             steps=max(map(len, generated)),
-            onnxruntime_s=ort_s,
-            decode_onnxruntime_s=ort_s - prefill_ort_s,
+            onnxruntime_s=run.seconds,
+            decode_onnxruntime_s=run.seconds - prefill_ort_s,
             wall_s=wall,
+            pruned_positions=cache.offset,
             step_logits=step_logits,
         )
+
+    def _start_pruning(self, cache: DeviceCache, positions: int) -> None:
+        """Prune a request of at most `positions` positions, if this generator prunes."""
+        if self.pruning is not None:
+            cache.prune_with(self.pruning.thresholds(positions))
 
     def teacher_forced_logits(self, ids: np.ndarray, prefill_chunk: int = GenerationConfig.prefill_chunk) -> np.ndarray:
         """Every position's logits `[batch, seq, vocab]` (float32) for rows of `seq` token ids `[batch, seq]`,
@@ -291,10 +268,12 @@ class Generator:
         batch, width = ids.shape
         self.check_request(ids.tolist(), GenerationConfig(max_new_tokens=1, prefill_chunk=prefill_chunk))
         with self._held_cache(batch) as cache:
-            cache.reserve(width)
+            self._start_pruning(cache, width)
+            if cache.thresholds is None:
+                cache.reserve(width)
             binding = self.artifact.session.io_binding()
             mask = np.ones((batch, width), dtype=np.int64)
-            run = partial(self.artifact.session.run_with_iobinding, binding)
+            run = SessionClock(self.artifact.session, binding)
             return self._prefill(binding, cache, ids, mask, prefill_chunk, run, every_position=True)
 
     def _prefill(
@@ -306,36 +285,51 @@ class Generator:
         prompt; returns the logits of every position `[batch, width, vocab]`, or of the last `[batch, vocab]`.
 
         GroupQueryAttention takes a later chunk of a prompt for one row only, so a gqa artifact prefills a
-        batch row by row (into each row's part of the cache buffers) when its prompts span several chunks."""
+        batch row by row (into each row's part of the cache buffers) when its prompts span several chunks; the
+        rows share one window of slots, so such a prefill drops none (pruning starts with the decode)."""
         batch, width = ids.shape
         keys = self.artifact.manifest["cache"]["max_cache_len"] if self.artifact.static else cache.length or width
         size = chunk_size(self.artifact, batch, keys, prefill_chunk)
-        by_row = batch > 1 and width > size and self.artifact.attention == "gqa"
-        spans = chunk_spans(width, chunk_size(self.artifact, 1, keys, prefill_chunk) if by_row else size)
+        chunks = width > size or (cache.capacity is not None and width > cache.capacity)  # a pruned request's
+        by_row = batch > 1 and chunks and self.artifact.attention == "gqa"
+        if by_row and cache.capacity is not None and width > cache.capacity:
+            raise ArtifactError(
+                f"a batch of prompts longer than one prefill chunk is prefilled row by row and pruned only after, "
+                f"so its {width} positions must fit in the artifact's {cache.capacity} slots; send the prompts one "
+                "by one, or re-export with a larger --max-cache-len"
+            )
+        step = chunk_size(self.artifact, 1, keys, prefill_chunk) if by_row else size
         rows = [slice(row, row + 1) for row in range(batch)] if by_row else [slice(0, batch)]
         logits = []
         for part in rows:
-            pieces = []
-            for index, (begin, end) in enumerate(spans):
-                row_chunk = (part.start, index, len(spans)) if by_row else None
-                out = self._feed(
-                    binding, cache, ids[part, begin:end], mask[part], begin, run, row_chunk, not every_position
+            pieces, begin, index = [], 0, 0
+            while begin < width:
+                row_chunk = (part.start, index, -(-width // step)) if by_row else None
+                out, begin = self._feed(
+                    binding, cache, ids[part], mask[part], begin, step, run, row_chunk, not every_position
                 )
-                if every_position or end == width:
+                if every_position or begin == width:
                     pieces.append(out.numpy())
+                index += 1
             logits.append(np.concatenate(pieces, axis=1) if every_position else pieces[-1][:, -1])
         return np.concatenate(logits, axis=0)
 
     def _feed(
-        self, binding: ort.IOBinding, cache: DeviceCache, chunk: np.ndarray, mask: np.ndarray, filled: int,
+        self, binding: ort.IOBinding, cache: DeviceCache, ids: np.ndarray, mask: np.ndarray, filled: int, most: int,
         run: Callable[[], None], row_chunk: tuple[int, int, int] | None = None, last_only: bool = False,
-    ) -> ort.OrtValue:  # fmt: skip
-        """Feed `chunk` `[batch, new]` after `filled` cached positions (`mask` covers at least filled + new);
-        returns the logits `[batch, new, vocab]` where onnxruntime left them (`[batch, 1, vocab]` with `last_only`
-        on a graph that can spare the others). `row_chunk` (row, chunk, chunks): the chunk is that row's alone
-        (see `DeviceCache.bind_row`)."""
-        new = chunk.shape[1]
-        bind_chunk(binding, self.artifact, chunk, mask[:, : filled + new], filled, cache.device, last_only)
+    ) -> tuple[ort.OrtValue, int]:  # fmt: skip
+        """Feed up to `most` of the prompt `ids` `[batch, width]` after its first `filled` positions, as many as
+        the cache has room for (`mask` covers at least `width`); returns the logits `[batch, new, vocab]` where
+        onnxruntime left them (`[batch, 1, vocab]` with `last_only` on a graph that can spare the others) and the
+        positions filled then. `row_chunk` (row, chunk, chunks): the chunk is that row's alone (see
+        `DeviceCache.bind_row`), and nothing is pruned."""
+        new = min(most, ids.shape[1] - filled)
+        if row_chunk is None:
+            new = cache.make_room(filled, new, slice(None))
+        slot = filled - cache.offset
+        cache.reserve(slot + new)
+        window = cache.window_mask(mask, filled + new)
+        bind_chunk(binding, self.artifact, ids[:, filled : filled + new], window, slot, cache.device, last_only)
         if row_chunk is None:
             cache.bind(binding)
         else:
@@ -344,14 +338,38 @@ class Generator:
         outputs = binding.get_outputs()
         if row_chunk is None:
             cache.advance(outputs)
-        return outputs[0]
+        return outputs[0], filled + new
+
+
+class SessionClock:
+    """Runs a session on one binding and adds up the seconds spent inside it."""
+
+    def __init__(self, session: ort.InferenceSession, binding: ort.IOBinding):
+        self.session, self.binding, self.seconds = session, binding, 0.0
+
+    def __call__(self) -> None:
+        began = time.perf_counter()
+        self.session.run_with_iobinding(self.binding)
+        self.seconds += time.perf_counter() - began
+
+
+def left_padded(prompts: list[list[int]], pad: int, new_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """The prompts left-padded into ids `[batch, width]`, and their mask over the prompt and `new_tokens` more
+    positions: every new position is attended until its row stops (the caller then masks the rest of it)."""
+    width = max(map(len, prompts))
+    ids = np.full((len(prompts), width), pad, dtype=np.int64)
+    mask = np.ones((len(prompts), width + new_tokens), dtype=np.int64)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :], mask[row, : width - len(prompt)] = prompt, 0
+    return ids, mask
 
 
 def bind_chunk(
     binding: ort.IOBinding, artifact: Artifact, ids: np.ndarray, mask: np.ndarray, filled: int, device: str,
     last_only: bool,
 ) -> None:  # fmt: skip
-    """Bind a prompt chunk's inputs (ids `[batch, new]` after `filled` slots, `mask` `[batch, filled + new]`)
+    """Bind a prompt chunk's inputs (ids `[batch, new]` after `filled` slots, `mask` `[batch, filled + new]`, the
+    window of slots attended)
     and its logits output, in place of the last run's; `last_only`: its last position's logits alone, where the
     graph can spare the others (exporters/last_logits.py). The cache is the caller's to bind."""
     binding.clear_binding_inputs()

@@ -1,0 +1,91 @@
+"""Forget-gate pruning at run time: which cached slots no later query can weigh above the tolerance.
+
+The export records each head's score bound U (kvg_export/fox/pruning.py gives the proof); a request of at most
+L positions may drop key j of a head once its decay c_t - c_j, the head's log forget gates summed after j, is
+below log_pruning_tolerance - 2U - log L. The decay only falls as t grows, and it falls with j: the keys a head
+may drop are always its oldest ones. The cache keeps one window of slots for every layer, head and row, so the
+slots it drops are the oldest ones that every head of every layer may drop, in every row still generating.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from runtime.artifact import ArtifactError
+
+AS_EXPORTED = "artifact"  # a tolerance that means: as the artifact's manifest records it
+Tolerance = float | str | None  # a log_pruning_tolerance, AS_EXPORTED, or None: no pruning
+
+
+class PruningError(ArtifactError):
+    """A head still needs more slots than the cache has: the request cannot go on exactly."""
+
+
+@dataclass(frozen=True)
+class Pruning:
+    log_tolerance: float
+    score_bounds: np.ndarray  # U, float64 [layers, heads]
+
+    @classmethod
+    def of(cls, manifest: dict, log_tolerance: Tolerance = AS_EXPORTED) -> Pruning | None:
+        """The artifact's pruning (its manifest's), or the tolerance asked for instead; None: keep every key."""
+        recorded = manifest.get("pruning")
+        if log_tolerance == AS_EXPORTED:
+            log_tolerance = recorded and recorded["log_pruning_tolerance"]
+        if log_tolerance is None:
+            return None
+        if recorded is None:
+            raise ValueError(
+                "this artifact records no score bounds to prune with (it was exported without pruning); "
+                "re-export it with --log-pruning-tolerance"
+            )
+        check_tolerance(log_tolerance)
+        return cls(float(log_tolerance), np.asarray(recorded["score_bounds"], dtype=np.float64))
+
+    def thresholds(self, positions: int) -> np.ndarray:
+        """Per layer and head, the decay below which a key is dropped in a request of `positions` positions."""
+        return self.log_tolerance - 2 * self.score_bounds - math.log(max(positions, 1))
+
+
+def parse_tolerance(text: str) -> float | None:
+    """A command line's --log-pruning-tolerance: a negative number, or `none`."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number or none: {text!r}") from None
+    try:
+        check_tolerance(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return value
+
+
+def describe(pruning: Pruning | None) -> str:
+    if pruning is None:
+        return "no forget-gate pruning"
+    tolerance = f"{pruning.log_tolerance:g}"
+    return f"forget-gate pruning at log tolerance {tolerance} (a query loses at most e^{tolerance} of its weight)"
+
+
+def check_tolerance(log_tolerance: float) -> None:
+    if not (math.isfinite(log_tolerance) and log_tolerance < 0):
+        raise ValueError(
+            f"log_pruning_tolerance must be a negative number (the log of the weight a query may lose; the "
+            f"official examples use -10), got {log_tolerance}"
+        )
+
+
+def droppable(gates: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
+    """How many of the oldest slots each row and head may drop: gates `[rows, heads, window]` (log forget
+    gates of the filled slots), thresholds `[heads]`; returns `[rows, heads]`.
+
+    Summed in float64: the decision is about the exact decay, and float32 sums over thousands of slots drift."""
+    sums = np.cumsum(gates, axis=-1, dtype=np.float64)  # c_j - c_before
+    decay = sums[..., -1:] - sums  # c_t - c_j: the gates after slot j
+    return (decay < thresholds[None, :, None]).sum(-1)

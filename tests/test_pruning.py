@@ -1,0 +1,187 @@
+"""Forget-gate pruning: the score bounds hold, the runtime drops only keys whose decay is below the threshold,
+and a pruned artifact of few slots generates what an unpruned one of many does, past its slots' length."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from exporters.cli import main as export_main
+from exporters.export import ExportOptions, export_artifact
+from kvg_export.fox.pruning import score_bounds
+from kvg_export.presets import load_model
+from runtime.artifact import SessionOptions
+from runtime.generator import GenerationConfig, Generator
+from runtime.pruning import PruningError, droppable
+
+CPU = SessionOptions(provider="cpu")
+TOLERANCE = -10.0
+SLOTS = 64  # the pruned artifacts' slots: fewer than the positions each test runs through
+# Every head forgets, from at once to within about twenty tokens, so that every head lets keys go
+FORGETTING = [-200.0, -4.0, -2.0, -1.0]
+PROMPT, NEW = 150, 120
+
+
+def forgetting(preset: str, biases=FORGETTING):
+    model = load_model(preset).eval()
+    with torch.no_grad():
+        for block in model.model.layers:
+            attention = block.attn
+            bias = attention.fgate_proj.bias if attention.config.fgate_type == "full" else attention.fgate_bias
+            bias.copy_(torch.tensor(biases))
+    return model
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    """preset -> (model, pruned static artifact of SLOTS slots, pruned dynamic gqa artifact, unpruned one)."""
+    made = {}
+
+    def export(preset: str):
+        if preset not in made:
+            folder = tmp_path_factory.mktemp(preset)
+            model = forgetting(preset)
+            model.save_pretrained(folder / "checkpoint")
+            checkpoint = str(folder / "checkpoint")
+            static = ExportOptions(checkpoint, folder / "static", "static", max_cache_len=SLOTS)
+            static.log_pruning_tolerance = TOLERANCE
+            dynamic = ExportOptions(checkpoint, folder / "dynamic", "dynamic", log_pruning_tolerance=TOLERANCE)
+            exact = ExportOptions(checkpoint, folder / "exact", "dynamic", log_pruning_tolerance=None)
+            made[preset] = (model, *(export_artifact(o, log=lambda line: None).path for o in (static, dynamic, exact)))
+        return made[preset]
+
+    return export
+
+
+def prompts(vocab: int, batch: int = 1) -> list[list[int]]:
+    rng = np.random.default_rng(3)
+    return [rng.integers(3, vocab, PROMPT - 7 * row).tolist() for row in range(batch)]
+
+
+def test_no_query_key_score_exceeds_the_bound(artifacts):
+    """|q.k| / sqrt(head_dim) over every pair of a text, per head, against U from the weights alone: QK-norm
+    (fox-pro-tiny) and projection norms (fox-tiny), with every layer's input scaled 50 times."""
+    for preset in ("fox-pro-tiny", "fox-tiny"):
+        model = forgetting(preset)
+        bounds = score_bounds(model)
+        captured = {}
+        hooks = [
+            block.register_forward_hook(lambda m, args, out, i=i, held=captured: held.setdefault(i, args[0]))
+            for i, block in enumerate(model.model.layers)
+        ]
+        ids = torch.randint(3, model.config.vocab_size, (2, 96), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=False)
+            for layer, block in enumerate(model.model.layers):
+                attention, x = block.attn, block.attn_norm(captured[layer] * 50)  # the norm undoes any scale
+                q = attention.q_proj(x)
+                k = attention._project("k_proj", x, None, None)
+                positions = torch.arange(x.shape[1]).expand(x.shape[0], -1)
+                if model.config.qk_norm or model.config.use_rope:
+                    q, k = attention._per_head(q, k, positions)
+                q = q.unflatten(-1, (attention.heads, -1)).transpose(1, 2)
+                k = k.unflatten(-1, (attention.kv_heads, -1)).transpose(1, 2)
+                k = k.repeat_interleave(attention.heads // attention.kv_heads, dim=1)
+                scores = (q @ k.transpose(-1, -2)).abs().amax((0, 2, 3)) / math.sqrt(attention.head_dim)
+                assert (scores <= torch.tensor(bounds[layer])).all(), (preset, layer, scores, bounds[layer])
+        for hook in hooks:
+            hook.remove()
+
+
+def test_droppable_counts_each_heads_keys_whose_decay_is_below_its_threshold():
+    rng = np.random.default_rng(0)
+    gates = -rng.exponential(0.5, size=(2, 3, 40)).astype(np.float32)
+    gates[1, 2] = 0.0  # a head that never forgets
+    thresholds = np.array([-3.0, -8.0, -1.0])
+    counts = droppable(gates, thresholds)
+    for row in range(2):
+        for head in range(3):
+            naive = sum(float(sum(gates[row, head, j + 1 :].astype(np.float64))) < thresholds[head] for j in range(40))
+            assert counts[row, head] == naive
+
+
+@pytest.mark.parametrize("preset", ["fox-pro-tiny", "fox-gqa-tiny", "fox-tiny"])
+def test_a_pruned_artifact_generates_the_exact_tokens_past_its_slots(artifacts, preset):
+    """Static: PROMPT + NEW positions through SLOTS slots; dynamic gqa: a window that stays short. fox-gqa-tiny
+    has RoPE, whose positions must stay those of the whole sequence after slots are dropped."""
+    model, static, dynamic, exact = artifacts(preset)
+    config = GenerationConfig(max_new_tokens=NEW, min_new_tokens=NEW)
+    # A gqa batch prompt is prefilled whole, row by row, so a batch goes to the dynamic artifact only
+    for folder, batch in ((static, 1), (dynamic, 2)):
+        rows = prompts(model.config.vocab_size, batch)
+        expected = Generator.open(exact, CPU).generate(rows, config, keep_logits=True)
+        generator = Generator.open(folder, CPU)
+        assert generator.pruning.log_tolerance == TOLERANCE
+        result = generator.generate(rows, config, keep_logits=True)
+        assert result.pruned_positions > 0
+        assert result.tokens == expected.tokens
+        # Each query loses at most e^TOLERANCE of its attention weight in each layer (kvg_export/fox/pruning.py)
+        worst = max(float(abs(a - b).max()) for a, b in zip(result.step_logits, expected.step_logits, strict=True))
+        scale = max(float(abs(b).max()) for b in expected.step_logits)
+        assert worst <= 2 * model.config.num_hidden_layers * math.exp(TOLERANCE) * scale + 1e-5, worst
+
+
+def test_every_dropped_key_decays_below_its_threshold_in_every_head(artifacts):
+    """The runtime's drops against the eager model's own forget gates over the whole sequence."""
+    model, static, _, _ = artifacts("fox-pro-tiny")
+    row = prompts(model.config.vocab_size)
+    generator = Generator.open(static, CPU)
+    result = generator.generate(row, GenerationConfig(max_new_tokens=NEW, min_new_tokens=NEW))
+    ids = torch.tensor([row[0] + result.tokens[0][:-1]])  # every position fed
+    gates = {}
+    hooks = [
+        block.attn.register_forward_hook(
+            lambda m, args, out, i=i: gates.__setitem__(i, m.log_forget_gate(args[0])[0].double())
+        )
+        for i, block in enumerate(model.model.layers)
+    ]
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+    for hook in hooks:
+        hook.remove()
+    positions = ids.shape[1]
+    bounds = torch.tensor(score_bounds(model), dtype=torch.float64)
+    thresholds = TOLERANCE - 2 * bounds - math.log(PROMPT + NEW - 1)
+    assert result.pruned_positions > 0
+    for layer, layer_gates in gates.items():
+        for head in range(model.config.num_heads):
+            decay = layer_gates[head, result.pruned_positions : positions].sum()  # after the last dropped key
+            assert decay < thresholds[layer, head], (layer, head)
+
+
+def test_a_head_that_keeps_more_than_the_slots_ends_the_request_naming_it(tmp_path):
+    model = forgetting("fox-pro-tiny", [-200.0, -4.0, -2.0, 30.0])  # head 3 forgets nothing
+    model.save_pretrained(tmp_path / "checkpoint")
+    options = ExportOptions(str(tmp_path / "checkpoint"), tmp_path / "static", "static", max_cache_len=SLOTS)
+    options.log_pruning_tolerance = TOLERANCE
+    generator = Generator.open(export_artifact(options, log=lambda line: None).path, CPU)
+    with pytest.raises(PruningError, match=rf"layer 0 head 3 .* {SLOTS} slots.*--max-cache-len"):
+        generator.generate(prompts(model.config.vocab_size), GenerationConfig(max_new_tokens=NEW))
+    # Without pruning the request is refused up front instead
+    with pytest.raises(Exception, match="max_cache_len"):
+        Generator(generator.artifact, None, None).generate(prompts(512), GenerationConfig(max_new_tokens=NEW))
+
+
+def test_the_manifest_records_the_tolerance_and_bounds_and_the_runtime_may_override_them(artifacts):
+    model, static, _, exact = artifacts("fox-tiny")
+    generator = Generator.open(exact, CPU)
+    assert generator.pruning is None
+    recorded = generator.artifact.manifest["pruning"]
+    assert recorded["log_pruning_tolerance"] is None
+    assert np.allclose(recorded["score_bounds"], score_bounds(model))
+    overridden = Generator.open(exact, CPU, -5.0).pruning
+    assert overridden.log_tolerance == -5.0
+    assert np.array_equal(overridden.score_bounds, recorded["score_bounds"])
+    assert Generator.open(static, CPU, None).pruning is None
+
+
+def test_export_refuses_a_tolerance_it_cannot_prune_with(tmp_path, capsys):
+    out = str(tmp_path / "out")
+    with pytest.raises(SystemExit) as exited:
+        export_main(["fox-tiny", "--out", out, "--log-pruning-tolerance", "3"])
+    assert exited.value.code == 2
+    assert "must be a negative number" in capsys.readouterr().err
+    assert export_main(["fox-tiny", "--out", out, "--log-pruning-tolerance", "-10", "--attention", "standard"]) == 2
+    assert "cache held in place" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
