@@ -280,9 +280,13 @@ def _build(options: ExportOptions, staging: Path, log: Callable[[str], None]) ->
     )  # fmt: skip
     layout = cache_layout(model.config, static=options.cache == "static")
     in_place = options.attention in IN_PLACE_KINDS
+    pruning = _pruning(options, model)
+    offsets = in_place and pruning is not None and pruning["log_pruning_tolerance"] is not None  # each layer's own
     program, example = _stage(
-        log, "trace", lambda: export_program(model, layout, options.max_cache_len, options.max_batch, in_place),
-        lambda _: f"torch.export, {options.cache} cache, {options.attention} attention",
+        log, "trace",
+        lambda: export_program(model, layout, options.max_cache_len, options.max_batch, in_place, offsets),
+        lambda _: f"torch.export, {options.cache} cache, {options.attention} attention"
+        + (", layer windows for forget-gate pruning" if offsets else ""),
     )  # fmt: skip
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     quantization = options.quantization
@@ -294,7 +298,7 @@ def _build(options: ExportOptions, staging: Path, log: Callable[[str], None]) ->
     keep_apart = quantization.keeps if quantization else lambda module: False
     _stage(
         log, "lower", lambda: lower_to_onnx(program, example, layout, model_path, options.opset, external, keep_apart,
-                                        options.attention),
+                                        options.attention, offsets),
         lambda fused: f"ONNX opset {options.opset}, {fused[0]} fewer MatMuls (projections joined), "
         f"{fused[1]} residual adds joined with their norms, forget-gate rewrites {-fused[2]:+d} nodes"
         + (f", {fused[3]} gate writes in place in a long enough buffer" if fused[3] else "")
@@ -306,7 +310,7 @@ def _build(options: ExportOptions, staging: Path, log: Callable[[str], None]) ->
         max_cache_len=options.max_cache_len, max_batch=options.max_batch, attention=options.attention,
         source=str(options.model),
         source_sha256=source_digest(checkpoint), exporter_version=version("kvg-export"),
-        files={"model": "model.onnx", "tokenizer": files.get("tokenizer.json")},
+        files={"model": "model.onnx", "tokenizer": files.get("tokenizer.json")}, window_offsets=offsets,
     )  # fmt: skip
     _stage(
         log, "check", lambda: _check(model_path, manifest, options.opset),
@@ -331,7 +335,7 @@ def _build(options: ExportOptions, staging: Path, log: Callable[[str], None]) ->
     if not report.passed:
         raise ExportError(f"validation failed: {report.failure}; nothing was written to {options.out}")
     manifest["validation"] = report.summary()
-    manifest["pruning"] = _pruning(options, model)
+    manifest["pruning"] = pruning
     log(f"pruning   {_describe_pruning(manifest['pruning'])}")
     for name in files:
         shutil.copy2(checkpoint / name, staging / name)

@@ -15,6 +15,7 @@ import onnx
 from exporters.contract import CACHE_FIELDS, PAST_TEMPLATE, PRESENT_TEMPLATE, CacheLayout
 from exporters.last_logits import KEPT_AXIS
 from exporters.last_logits import NAME as LOGITS_TO_KEEP
+from exporters.window_offsets import NAME as WINDOW_OFFSETS
 
 MANIFEST_NAME = "kvg_config.json"
 FORMAT_VERSION = 2  # 2: a static graph's attention_mask is the attention window, not the buffer
@@ -67,6 +68,7 @@ def graph_io(config, layout: CacheLayout, dtype: str, max_cache_len: int | None)
 def build_manifest(
     config, layout: CacheLayout, *, dtype: str, opset: int, max_cache_len: int | None, max_batch: int,
     attention: str, source: str, source_sha256: str, exporter_version: str, files: dict[str, str | None],
+    window_offsets: bool = False,
 ) -> dict:  # fmt: skip
     """`attention`: "standard" (ONNX MatMul and Softmax, any provider) or "gqa" (onnxruntime's CPU
     GroupQueryAttention, which cannot take a chunk of a prompt after the first for batch > 1)."""
@@ -97,9 +99,11 @@ def build_manifest(
         },
         "names": {"past": PAST_TEMPLATE, "present": PRESENT_TEMPLATE, "fields": list(CACHE_FIELDS)},
         "inputs": inputs,
-        # inputs with a default (ONNX initializers that are also inputs), fed only to change it: logits_to_keep,
-        # 0 (every position's logits) unless fed n > 0 (the last n)
-        "optional_inputs": [_io_entry(LOGITS_TO_KEEP, "int64", [1])],
+        # inputs with a default (ONNX initializers that are also inputs), fed only to change it: in a pruned export
+        # window_offsets, zeros (exporters/window_offsets.py); logits_to_keep, 0 (every position's logits) unless
+        # fed n > 0 (the last n)
+        "optional_inputs": [_io_entry(WINDOW_OFFSETS, "int64", [config.num_hidden_layers])] * window_offsets
+        + [_io_entry(LOGITS_TO_KEEP, "int64", [1])],
         "outputs": outputs,
         "special_tokens": {
             "bos": config.bos_token_id,

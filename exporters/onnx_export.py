@@ -23,6 +23,8 @@ from exporters.in_place_scatter import scatter_in_place
 from exporters.last_logits import keep_last_logits
 from exporters.lean_gates import lean_gates
 from exporters.translations import translations
+from exporters.window_offsets import NAME as WINDOW_OFFSETS
+from exporters.window_offsets import default_to_zeros
 from exporters.wrappers import ExportableFox
 from kvg_export import FoxForCausalLM
 
@@ -50,10 +52,11 @@ def example_inputs(model: FoxForCausalLM, layout: CacheLayout, max_cache_len: in
     return (*head, *past)
 
 
-def dynamic_shapes(layout: CacheLayout, max_batch: int, max_seq: int) -> tuple:
+def dynamic_shapes(layout: CacheLayout, max_batch: int, max_seq: int, window_offsets: bool) -> dict:
+    """Shapes by the wrapper's parameters: input_ids, attention_mask, one tuple for its `*rest`, and its
+    window_offsets when the graph takes them (one per layer: a fixed shape)."""
     batch = Dim("batch", min=1, max=max_batch)
     seq = Dim("seq", min=1, max=max_seq)
-    """Shapes in the wrapper's signature: input_ids, attention_mask, then one tuple for its `*rest`."""
     if layout.static:
         # The window stops one short of the buffer for tracing only: a full-length slice is contiguous and a
         # shorter one is not, and torch.export guards on that. The ONNX graph is the same for every window.
@@ -64,7 +67,8 @@ def dynamic_shapes(layout: CacheLayout, max_batch: int, max_seq: int) -> tuple:
         mask, rest = {0: batch, 1: Dim("total", min=1, max=2 * max_seq)}, []
         per_field = {f: ({0: batch} if f.endswith("shift") else {0: batch, 2: past}) for f in layout.fields}
     rest += [per_field[f] for _ in range(layout.num_layers) for f in layout.fields]
-    return ({0: batch, 1: seq}, mask, tuple(rest))
+    shapes = {"input_ids": {0: batch, 1: seq}, "attention_mask": mask, "rest": tuple(rest)}
+    return shapes | ({"window_offsets": None} if window_offsets else {})
 
 
 def export_program(
@@ -73,16 +77,19 @@ def export_program(
     max_cache_len: int | None = None,
     max_batch: int = 256,
     in_place_attention: bool = False,
+    window_offsets: bool = False,
 ) -> tuple[ExportedProgram, tuple]:
-    """The ExportedProgram of one forward step, and the example inputs it was traced with."""
+    """The ExportedProgram of one forward step, and the example inputs it was traced with; `window_offsets`: the
+    step also takes them, by keyword (in-place attention only; see exporters/window_offsets.py)."""
     if layout.static and not max_cache_len:
         raise ValueError("a static export needs max_cache_len")
     example = example_inputs(model, layout, max_cache_len)
     max_seq = max_cache_len if layout.static else DYNAMIC_MAX_POSITIONS
-    shapes = dynamic_shapes(layout, max_batch, max_seq)
+    shapes = dynamic_shapes(layout, max_batch, max_seq, window_offsets)
+    offsets = {WINDOW_OFFSETS: torch.zeros(layout.num_layers, dtype=torch.long)} if window_offsets else {}
     with torch.no_grad():
         wrapper = ExportableFox(model, layout, in_place_attention)
-        program = torch.export.export(wrapper, example, dynamic_shapes=shapes, strict=False)
+        program = torch.export.export(wrapper, example, offsets, dynamic_shapes=shapes, strict=False)
     return program, example
 
 
@@ -95,6 +102,8 @@ def _axis_names(layout: CacheLayout, name: str) -> list[str | None]:
         return ["batch", "window" if layout.static else "total"]
     if name == "cache_position":
         return ["seq"]
+    if name == WINDOW_OFFSETS:
+        return [None]
     if name.endswith("shift"):
         return ["batch", None]
     if name.endswith("gate"):
@@ -120,14 +129,15 @@ def name_by_module(graph: ir.Graph) -> None:
 
 def lower_to_onnx(
     program: ExportedProgram, example: tuple, layout: CacheLayout, path: Path, opset: int, external_data: bool,
-    keep_apart: Callable[[str], bool] = lambda module: False, attention: str = "gqa",
+    keep_apart: Callable[[str], bool] = lambda module: False, attention: str = "gqa", window_offsets: bool = False,
 ) -> tuple[int, int, int, int]:  # fmt: skip
     """Write `path`: the ONNX graph with contract names and named axes, weights beside it if `external_data`;
     returns how many projections were joined into others (see `fuse_projections`; modules `keep_apart` names
     are not joined), how many residual adds into the norms after them (see `fuse_norms`), how many nodes
     the forget-gate rewrites took out (see `lean_gates`) and how many gate writes go in place when the
     buffer is long enough (see `in_place_scatter`). `attention` picks the lowering of in-place
-    attention (see `translations`). The graph also takes the optional `logits_to_keep` (see `last_logits`)."""
+    attention (see `translations`). The graph also takes the optional `logits_to_keep` (see `last_logits`), and
+    the optional `window_offsets` if the program does (see `window_offsets`)."""
     # Quiet the exporter's notes that concern other libraries (torchvision ops, a pytree deprecation in torch).
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
     with warnings.catch_warnings():
@@ -135,7 +145,7 @@ def lower_to_onnx(
         onnx_program = torch.onnx.export(
             program,
             example,
-            input_names=layout.input_names(),
+            input_names=layout.input_names() + ([WINDOW_OFFSETS] if window_offsets else []),
             output_names=layout.output_names(),
             opset_version=opset,
             dynamo=True,
@@ -151,7 +161,9 @@ def lower_to_onnx(
     joined = fuse_projections(graph, lambda node: keep_apart(node.name))
     norms = fuse_residual_norms(onnx_program.model)
     leaner = lean_gates(onnx_program.model)
-    in_place = scatter_in_place(graph)
+    written_in_place = scatter_in_place(graph)
+    if window_offsets:
+        default_to_zeros(graph, layout.num_layers)
     keep_last_logits(graph)
     onnx_program.save(str(path), external_data=external_data)
-    return joined, norms, leaner, in_place
+    return joined, norms, leaner, written_in_place

@@ -105,16 +105,26 @@ class WeightNodes:
 
     quantized: list[str] = field(default_factory=list)
     kept: list[str] = field(default_factory=list)
+    # A MatMul or Gather that reads another initializer (window_offsets, an integer input with a default):
+    # the quantizer would take it for a weight
+    not_weights: list[str] = field(default_factory=list)
+
+
+FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
 
 
 def _weight_nodes(model: onnx.ModelProto, quantization: Quantization) -> WeightNodes:
-    weights = {initializer.name for initializer in model.graph.initializer}
+    inputs = {value.name for value in model.graph.input}
+    initializers = {initializer.name: initializer for initializer in model.graph.initializer}
     nodes = WeightNodes()
     for node in model.graph.node:
-        reads_weight = (node.op_type == "MatMul" and node.input[1] in weights) or (
-            node.op_type == "Gather" and node.input[0] in weights
-        )
-        if reads_weight:
+        read = {"MatMul": 1, "Gather": 0}.get(node.op_type)
+        if read is None or node.input[read] not in initializers:
+            continue
+        initializer = initializers[node.input[read]]
+        if initializer.data_type not in FLOATS or initializer.name in inputs:
+            nodes.not_weights.append(node.name)
+        else:
             (nodes.kept if quantization.keeps(node.name) else nodes.quantized).append(node.name)
     return nodes
 
@@ -164,7 +174,7 @@ def quantize_graph(source: Path, target: Path, quantization: Quantization) -> di
     ops = ("MatMul",) if "embedding" in quantization.keep_float else ("MatMul", "Gather")
     quantizer = _quantizer_module().MatMulNBitsQuantizer(
         model, bits=quantization.bits, block_size=quantization.block_size, is_symmetric=quantization.symmetric,
-        accuracy_level=quantization.accuracy_level, nodes_to_exclude=nodes.kept,
+        accuracy_level=quantization.accuracy_level, nodes_to_exclude=nodes.kept + nodes.not_weights,
         algo_config=_algorithm(quantization, ops),
     )  # fmt: skip
     if quantization.method in NEURAL_COMPRESSOR_METHODS:
@@ -172,7 +182,7 @@ def quantize_graph(source: Path, target: Path, quantization: Quantization) -> di
         # knows only 4 bits: give it the whole table instead.
         per_node = {"bits": quantization.bits, "group_size": quantization.block_size,
                     "scheme": "sym" if quantization.symmetric else "asym"}  # fmt: skip
-        table = {name: per_node for name in nodes.quantized} | dict.fromkeys(nodes.kept, "fp32")
+        table = {name: per_node for name in nodes.quantized} | dict.fromkeys(nodes.kept + nodes.not_weights, "fp32")
         quantizer._generate_q4_node_config = lambda: table
     with warnings.catch_warnings():
         # hqq hands torch a read-only numpy view of each weight, which it only reads; rtn's Gather path divides

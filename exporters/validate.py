@@ -20,6 +20,7 @@ from torch.export import ExportedProgram
 
 from exporters.contract import CacheLayout, cache_shape
 from exporters.last_logits import NAME as LOGITS_TO_KEEP
+from exporters.window_offsets import NAME as WINDOW_OFFSETS
 from exporters.wrappers import ExportableFox
 from kvg_export import FoxForCausalLM
 
@@ -146,6 +147,8 @@ def validate_export(
         pasts["onnx-longer"] = [_numpy(t) for t in zeros(2 * (PROMPT_LENGTH + DECODE_STEPS))]
     pasts["onnx-last"] = [_numpy(t).copy() for t in empty]  # fed logits_to_keep 1, as the runtime prefills
     keep_last = {LOGITS_TO_KEEP: np.ones(1, dtype=np.int64)}
+    in_place = any(node.op == "placeholder" and node.name == WINDOW_OFFSETS for node in program.graph.nodes)
+    offsets = {WINDOW_OFFSETS: torch.zeros(layout.num_layers, dtype=torch.long)} if in_place else {}
     tokens, full_mask, start = ids, mask, 0
     for step in range(DECODE_STEPS + 1):
         stop = full_mask.shape[1]
@@ -154,7 +157,7 @@ def validate_export(
             head = [tokens, full_mask, torch.arange(start, stop)]
         with torch.no_grad():
             want = eager(*head, *pasts["eager"])
-            got_program = exported(*head, *pasts["program"])
+            got_program = exported(*head, *pasts["program"], **offsets)
         runs = {
             system: session.run(
                 None,

@@ -33,10 +33,10 @@ class ExportableFox(nn.Module):
             layers.append(tuple(named.get(f) for f in CACHE_FIELDS))
         return layers
 
-    def forward(self, input_ids, attention_mask, *rest):
+    def forward(self, input_ids, attention_mask, *rest, window_offsets=None):
         """input_ids `[batch, seq]`, attention_mask `[batch, past+seq]` (static: `[batch, window]`, the filled
         slots and the new ones), then cache_position `[seq]` for a static graph, then the past tensors in
-        `layout.past_names()` order.
+        `layout.past_names()` order; with in-place attention, `window_offsets` (see FoxModel.forward).
         """
         cache_position, past = (rest[0], rest[1:]) if self.layout.static else (None, rest)
         if self.in_place_attention and not self.layout.static:
@@ -51,6 +51,7 @@ class ExportableFox(nn.Module):
             cache_position=cache_position,
             use_cache=True,
             in_place_attention=self.in_place_attention,
+            window_offsets=window_offsets,
         )
         present = []
         for layer in cache.layers:

@@ -20,7 +20,7 @@ import onnxruntime as ort
 
 from runtime import buffers
 from runtime.artifact import Artifact
-from runtime.pruning import PruningError, droppable
+from runtime.pruning import WINDOW_OFFSETS, PruningError, needed_slots
 
 PRUNE_EVERY = 64  # decode steps between two prunings (each sums every head's gates over the window)
 
@@ -44,10 +44,19 @@ class DeviceCache:
         self.past: dict[str, ort.OrtValue] = {}
         self.spare: dict[str, ort.OrtValue] = {}  # swapped tensors: the buffer present is written to
         self.fresh: dict[str, ort.OrtValue] = {}  # swapped tensors: a row's zero state, for `bind_row`
+        layers, fields = artifact.manifest["model"]["num_layers"], len(artifact.manifest["cache"]["fields"])
+        self.layer_buffers: list[list[str]] = [[] for _ in range(layers)]  # each layer's in-place buffers
+        for index, past in enumerate(artifact.past_names()):  # layer by layer, its fields in order
+            if past in self.in_place:
+                self.layer_buffers[index // fields].append(past)
         self.gate_names = [past for past in artifact.past_names() if _field(past) == "gate"]  # by layer
         limit = artifact.manifest["cache"]["max_cache_len"]
         self.capacity = limit if in_place else None  # the slots a pruned request may fill (None: any number)
         self.thresholds: np.ndarray | None = None  # per layer and head, while a pruned request runs
+        # Each layer's own window, where the graph takes window_offsets (exporters/window_offsets.py)
+        self.by_layer = WINDOW_OFFSETS in {spec["name"] for spec in artifact.manifest["optional_inputs"]}
+        self.offsets = np.zeros(layers, dtype=np.int64)  # window_offsets: each layer's start past `offset`
+        self.offsets_value = ort.OrtValue.ortvalue_from_numpy(self.offsets)  # bound once, read at every run
         self.reset()
 
     def reserve(self, length: int) -> None:
@@ -78,7 +87,9 @@ class DeviceCache:
         0 * NaN is NaN. Everything else restarts from zero (shift states) or from empty every generation.
         Pruning stops until `prune_with` starts it again.
         """
-        self.offset, self.thresholds = 0, None  # positions dropped from the front of the in-place buffers
+        self.offset, self.thresholds = 0, None  # positions dropped from the front of every layer's buffers
+        self.dropped = np.zeros(len(self.gate_names), dtype=np.int64)  # positions each layer dropped
+        self.offsets[:] = 0
         self.pruned_at = 0  # the filled positions when slots were last dropped
         for past, _ in self.pairs:
             if past not in self.in_place or past not in self.past:
@@ -103,32 +114,38 @@ class DeviceCache:
     def make_room(self, filled: int, new: int, rows) -> int:
         """Before a run of up to `new` positions after `filled`: drop (when pruning) the slots that `rows` (those
         still generating) no longer need, at least every PRUNE_EVERY positions, every chunk of a prompt and
-        whenever the new ones would not fit otherwise. Returns how many of the `new` positions fit (all, without
-        pruning: `Generator.check_request` saw to that); raises PruningError naming the head that leaves no
-        room for one."""
-        slots = filled - self.offset
-        full = self.capacity is not None and slots + new > self.capacity
+        whenever the new ones would not fit otherwise; each layer as far as its own heads allow, where the graph
+        takes window_offsets, else every layer as far as all heads allow. Returns how many of the `new` positions
+        fit (all, without pruning: `Generator.check_request` saw to that); raises PruningError naming the head
+        that leaves no room for one."""
+        slots = filled - self.dropped  # per layer
+        full = self.capacity is not None and slots.max() + new > self.capacity
         if self.thresholds is None or not (full or new > 1 or filled - self.pruned_at >= PRUNE_EVERY):
             return new
         self.pruned_at = filled
-        needs = [slots - droppable(buffers.to_host(self.past[name], "float32")[rows, :, :slots], thresholds).min(0)
-                 for name, thresholds in zip(self.gate_names, self.thresholds, strict=True)]  # fmt: skip
-        layer = max(range(len(needs)), key=lambda i: needs[i].max())  # the head that needs most: [layer][head]
-        head = int(needs[layer].argmax())
-        needed = int(needs[layer][head])
-        room = new if self.capacity is None else min(new, self.capacity - needed)
+        gates = [
+            buffers.to_host(self.past[name], "float32")[rows, :, :held]
+            for name, held in zip(self.gate_names, slots, strict=True)
+        ]
+        needs = needed_slots(gates, self.thresholds)  # [layers, heads]
+        kept = needs.max(1) if self.by_layer else np.full(len(needs), needs.max())  # per layer
+        room = new if self.capacity is None else min(new, self.capacity - int(kept.max()))
         if room < 1:
+            layer, head = np.unravel_index(needs.argmax(), needs.shape)
             raise PruningError(
-                f"layer {layer} head {head} still weighs all of its last {needed} positions above the pruning "
-                f"threshold ({self.thresholds[layer][head]:.1f}), which leaves no room for a new one in this "
+                f"layer {layer} head {head} still weighs all of its last {needs[layer, head]} positions above the "
+                f"pruning threshold ({self.thresholds[layer][head]:.1f}), which leaves no room for a new one in this "
                 f"artifact's {self.capacity} slots; re-export with a larger --max-cache-len, or prune more (a higher "
                 "--log-pruning-tolerance)"
             )
-        if needed < slots:
-            for past in self.in_place:
+        for layer, names in enumerate(self.layer_buffers):
+            drop = int(slots[layer] - kept[layer])
+            for past in names if drop > 0 else ():
                 dtype = self.artifact.input_spec(past)["dtype"]
-                buffers.move_slots(self.past[past], dtype, self.device, slice(None), slots - needed, slots, 0)
-            self.offset += slots - needed
+                buffers.move_slots(self.past[past], dtype, self.device, slice(None), drop, int(slots[layer]), 0)
+            self.dropped[layer] += max(drop, 0)
+        self.offset = int(self.dropped.min())
+        self.offsets[:] = self.dropped - self.offset
         return room
 
     @property
@@ -139,6 +156,8 @@ class DeviceCache:
     def bind(self, binding: ort.IOBinding) -> None:
         """Bind every past input and present output (after `logits`, which the caller binds first)."""
         self.moved = False
+        if self.by_layer:
+            binding.bind_ortvalue_input(WINDOW_OFFSETS, self.offsets_value)
         for past, present in self.pairs:
             binding.bind_ortvalue_input(past, self.past[past])
             if past in self.in_place:

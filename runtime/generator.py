@@ -60,7 +60,7 @@ class GenerationResult:
     onnxruntime_s: float  # time inside session runs; the rest of the wall time is the loop's own
     decode_onnxruntime_s: float  # the part of onnxruntime_s spent in decode steps (after the first token)
     wall_s: float
-    pruned_positions: int  # the oldest positions forget-gate pruning dropped from the cache by the end
+    pruned_positions: list[int]  # per layer, the oldest positions forget-gate pruning dropped by the end
     step_logits: list[np.ndarray] = field(default_factory=list, repr=False)  # when asked: [batch, vocab] per step
 
 
@@ -252,7 +252,7 @@ class Generator:
             onnxruntime_s=run.seconds,
             decode_onnxruntime_s=run.seconds - prefill_ort_s,
             wall_s=wall,
-            pruned_positions=cache.offset,
+            pruned_positions=cache.dropped.tolist(),
             step_logits=step_logits,
         )
 

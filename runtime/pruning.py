@@ -3,8 +3,9 @@
 The export records each head's score bound U (kvg_export/fox/pruning.py gives the proof); a request of at most
 L positions may drop key j of a head once its decay c_t - c_j, the head's log forget gates summed after j, is
 below log_pruning_tolerance - 2U - log L. The decay only falls as t grows, and it falls with j: the keys a head
-may drop are always its oldest ones. The cache keeps one window of slots for every layer, head and row, so the
-slots it drops are the oldest ones that every head of every layer may drop, in every row still generating.
+may drop are always its oldest ones. A layer's heads and rows share its buffers' slots, so a layer drops the
+oldest slots that every one of its heads may drop in every row still generating (a graph without window_offsets
+keeps one window for all layers, and drops what every head of every layer may drop).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 
 from runtime.artifact import ArtifactError
 
+WINDOW_OFFSETS = "window_offsets"  # the graph input of each layer's window start (exporters/window_offsets.py)
 AS_EXPORTED = "artifact"  # a tolerance that means: as the artifact's manifest records it
 Tolerance = float | str | None  # a log_pruning_tolerance, AS_EXPORTED, or None: no pruning
 
@@ -89,3 +91,9 @@ def droppable(gates: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
     sums = np.cumsum(gates, axis=-1, dtype=np.float64)  # c_j - c_before
     decay = sums[..., -1:] - sums  # c_t - c_j: the gates after slot j
     return (decay < thresholds[None, :, None]).sum(-1)
+
+
+def needed_slots(gates: list[np.ndarray], thresholds: np.ndarray) -> np.ndarray:
+    """How many of its newest slots each head still needs in some row, `[layers, heads]`: gates per layer
+    `[rows, heads, window]`, thresholds `[layers, heads]`."""
+    return np.stack([g.shape[-1] - droppable(g, t).min(0) for g, t in zip(gates, thresholds, strict=True)])

@@ -23,13 +23,14 @@ FORGETTING = [-200.0, -4.0, -2.0, -1.0]
 PROMPT, NEW = 150, 120
 
 
-def forgetting(preset: str, biases=FORGETTING):
+def forgetting(preset: str, biases=FORGETTING, layers=None):
+    """The preset with forget-gate biases `biases` per head in every layer, or `layers[i]` in layer i."""
     model = load_model(preset).eval()
     with torch.no_grad():
-        for block in model.model.layers:
+        for index, block in enumerate(model.model.layers):
             attention = block.attn
             bias = attention.fgate_proj.bias if attention.config.fgate_type == "full" else attention.fgate_bias
-            bias.copy_(torch.tensor(biases))
+            bias.copy_(torch.tensor(layers[index] if layers else biases))
     return model
 
 
@@ -57,6 +58,15 @@ def artifacts(tmp_path_factory):
 def prompts(vocab: int, batch: int = 1) -> list[list[int]]:
     rng = np.random.default_rng(3)
     return [rng.integers(3, vocab, PROMPT - 7 * row).tolist() for row in range(batch)]
+
+
+def assert_within_the_bound(model, pruned: list[np.ndarray], exact: list[np.ndarray]) -> None:
+    """Each query loses at most e^TOLERANCE of its attention weight in each layer (kvg_export/fox/pruning.py),
+    which moves that layer's output by at most twice that share of its values; the logits are allowed as much of
+    their scale per layer, on top of float32's own noise."""
+    worst = max(float(abs(a - b).max()) for a, b in zip(pruned, exact, strict=True))
+    scale = max(float(abs(b).max()) for b in exact)
+    assert worst <= 2 * model.config.num_hidden_layers * math.exp(TOLERANCE) * scale + 1e-5, worst
 
 
 def test_no_query_key_score_exceeds_the_bound(artifacts):
@@ -114,12 +124,9 @@ def test_a_pruned_artifact_generates_the_exact_tokens_past_its_slots(artifacts, 
         generator = Generator.open(folder, CPU)
         assert generator.pruning.log_tolerance == TOLERANCE
         result = generator.generate(rows, config, keep_logits=True)
-        assert result.pruned_positions > 0
+        assert min(result.pruned_positions) > 0
         assert result.tokens == expected.tokens
-        # Each query loses at most e^TOLERANCE of its attention weight in each layer (kvg_export/fox/pruning.py)
-        worst = max(float(abs(a - b).max()) for a, b in zip(result.step_logits, expected.step_logits, strict=True))
-        scale = max(float(abs(b).max()) for b in expected.step_logits)
-        assert worst <= 2 * model.config.num_hidden_layers * math.exp(TOLERANCE) * scale + 1e-5, worst
+        assert_within_the_bound(model, result.step_logits, expected.step_logits)
 
 
 def test_every_dropped_key_decays_below_its_threshold_in_every_head(artifacts):
@@ -143,11 +150,27 @@ def test_every_dropped_key_decays_below_its_threshold_in_every_head(artifacts):
     positions = ids.shape[1]
     bounds = torch.tensor(score_bounds(model), dtype=torch.float64)
     thresholds = TOLERANCE - 2 * bounds - math.log(PROMPT + NEW - 1)
-    assert result.pruned_positions > 0
     for layer, layer_gates in gates.items():
+        dropped = result.pruned_positions[layer]
+        assert dropped > 0
         for head in range(model.config.num_heads):
-            decay = layer_gates[head, result.pruned_positions : positions].sum()  # after the last dropped key
+            decay = layer_gates[head, dropped:positions].sum()  # after the last dropped key
             assert decay < thresholds[layer, head], (layer, head)
+
+
+def test_each_layer_drops_as_far_as_its_own_heads_allow(tmp_path):
+    """Layer 0 forgets within tokens, layer 1 hardly at all: layer 0's window shrinks while layer 1 keeps every
+    position, and the tokens and logits are those of the same artifact run without pruning."""
+    model = forgetting("fox-pro-tiny", layers=[FORGETTING, [3.0] * 4])
+    model.save_pretrained(tmp_path / "checkpoint")
+    options = ExportOptions(str(tmp_path / "checkpoint"), tmp_path / "dynamic", log_pruning_tolerance=TOLERANCE)
+    folder = export_artifact(options, log=lambda line: None).path
+    row, config = prompts(model.config.vocab_size), GenerationConfig(max_new_tokens=NEW, min_new_tokens=NEW)
+    result = Generator.open(folder, CPU).generate(row, config, keep_logits=True)
+    expected = Generator.open(folder, CPU, None).generate(row, config, keep_logits=True)
+    assert result.pruned_positions[0] > PROMPT and result.pruned_positions[1] == 0
+    assert result.tokens == expected.tokens
+    assert_within_the_bound(model, result.step_logits, expected.step_logits)
 
 
 def test_a_head_that_keeps_more_than_the_slots_ends_the_request_naming_it(tmp_path):

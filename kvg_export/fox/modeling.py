@@ -109,9 +109,11 @@ class ForgettingAttention(nn.Module):
         allowed: torch.Tensor,
         cache: GatedCache | None,
         in_place: bool = False,
+        window_offsets: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x `[batch, seq, hidden]`; positions `[batch, seq]` (RoPE); keep `[batch, seq]` real tokens;
-        allowed `[batch or 1, 1, seq, window]` the attention pattern; `in_place`: see `_attend_in_place`."""
+        allowed `[batch or 1, 1, seq, window]` the attention pattern; `in_place`, `window_offsets`: see
+        `_attend_in_place`."""
         batch, seq, _ = x.shape
         query = self.q_proj(x)  # [batch, seq, heads * head_dim]; keys and values likewise with kv_heads
         keys = self._project("k_proj", x, keep, cache)
@@ -122,6 +124,8 @@ class ForgettingAttention(nn.Module):
         if keep is not None:
             log_gates = log_gates * keep[:, None, :].float()
         if in_place:
+            if window_offsets is not None:
+                allowed, cache_position = self._own_window(allowed, cache_position, window_offsets)
             out = self._attend_in_place(query, keys, values, log_gates, cache_position, allowed, cache)
         else:
             out = self._attend(query, keys, values, log_gates, cache_position, allowed, cache)
@@ -154,6 +158,15 @@ class ForgettingAttention(nn.Module):
             window = allowed.shape[-1]
             keys, values, log_gates = keys[:, :, :window], values[:, :, :window], log_gates[..., :window]
         return forgetting_attention(query, keys, values, log_gates, cache_position, allowed).transpose(1, 2).flatten(2)
+
+    def _own_window(self, allowed, cache_position, window_offsets) -> tuple[torch.Tensor, torch.Tensor]:
+        """The window and slots of this layer's buffers, which start `window_offsets[layer]` slots into the
+        attention window (forget-gate pruning drops each layer's oldest slots as its heads allow): the pattern
+        without its first columns, the new tokens' slots that many lower."""
+        start = window_offsets[self.layer_idx].item()
+        torch._check(start >= 0)
+        torch._check(start <= allowed.shape[-1])
+        return allowed[..., start:], cache_position - start
 
     def _attend_in_place(self, query, keys, values, log_gates, cache_position, allowed, cache) -> torch.Tensor:
         """A step as one `kvg::group_query_attention` op, which the exporter lowers to onnxruntime's
@@ -298,11 +311,13 @@ class FoxModel(FoxPreTrainedModel):
         use_cache: bool | None = None,
         cache_position: torch.LongTensor | None = None,
         in_place_attention: bool = False,
+        window_offsets: torch.Tensor | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
         """`in_place_attention`: attend through `kvg::group_query_attention`, the form the exporter lowers to
         onnxruntime's GroupQueryAttention; the attention window is then the mask's length, as for a static
-        cache, and must end with the new tokens."""
+        cache, and must end with the new tokens. `window_offsets` (int64 `[layers]`, in-place attention only):
+        layer i's buffers start that many slots into the window (see `ForgettingAttention._own_window`)."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         hidden = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
@@ -317,19 +332,20 @@ class FoxModel(FoxPreTrainedModel):
             past = cache.get_seq_length() if cache is not None else 0
             cache_position = torch.arange(past, past + seq, device=hidden.device)
         if cache is None or is_tracing() or seq <= PREFILL_CHUNK:
-            hidden = self._layers(hidden, attention_mask, cache, cache_position, in_place_attention)
+            hidden = self._layers(hidden, attention_mask, cache, cache_position, in_place_attention, window_offsets)
         else:  # each chunk attends to what the cache holds by then: no layer builds a [heads, seq, seq] term
             chunks = []
             for begin in range(0, seq, PREFILL_CHUNK):
                 slots = cache_position[begin : begin + PREFILL_CHUNK]
                 mask = None if attention_mask is None else attention_mask[:, : int(slots[-1]) + 1]
-                chunks.append(
-                    self._layers(hidden[:, begin : begin + PREFILL_CHUNK], mask, cache, slots, in_place_attention)
-                )
+                part = hidden[:, begin : begin + PREFILL_CHUNK]
+                chunks.append(self._layers(part, mask, cache, slots, in_place_attention, window_offsets))
             hidden = torch.cat(chunks, dim=1)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden), past_key_values=cache)
 
-    def _layers(self, hidden, attention_mask, cache, cache_position, in_place_attention) -> torch.Tensor:
+    def _layers(
+        self, hidden, attention_mask, cache, cache_position, in_place_attention, window_offsets=None
+    ) -> torch.Tensor:  # fmt: skip
         """Every layer over the new tokens `hidden` `[batch, seq, hidden]` at slots `cache_position`."""
         batch = hidden.shape[0]
         kv_length = cache.get_mask_sizes(cache_position)[0] if cache is not None else hidden.shape[1]
@@ -338,7 +354,7 @@ class FoxModel(FoxPreTrainedModel):
             attention_mask, cache_position, kv_length, batch, windowed, causal=not in_place_attention
         )
         for block in self.layers:
-            hidden = block(hidden, positions, cache_position, keep, allowed, cache, in_place_attention)
+            hidden = block(hidden, positions, cache_position, keep, allowed, cache, in_place_attention, window_offsets)
         return hidden
 
 
@@ -374,10 +390,11 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
         cache_position: torch.LongTensor | None = None,
         logits_to_keep: int = 0,
         in_place_attention: bool = False,
+        window_offsets: torch.Tensor | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """`labels` `[batch, seq]` are the inputs themselves (shifted here, -100 ignored), as in transformers;
-        `in_place_attention` as in `FoxModel.forward`."""
+        `in_place_attention` and `window_offsets` as in `FoxModel.forward`."""
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -386,6 +403,7 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
             use_cache=use_cache,
             cache_position=cache_position,
             in_place_attention=in_place_attention,
+            window_offsets=window_offsets,
         )
         hidden = outputs.last_hidden_state
         logits = self.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
