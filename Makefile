@@ -76,6 +76,7 @@ bench: setup
 # Prompts of 512 to 32768 tokens, runtime against onnxruntime-genai (bench/README.md); BENCH_LONG_FLAGS e.g. "--runs 1"
 bench-long: setup
 	$(PY) bench/long_context.py $(BENCH_LONG_FLAGS)
+	$(PY) bench/kept_keys.py
 
 # kvg-serve under 1, 8 and 32 concurrent clients against the same requests one after another (bench/README.md);
 # BENCH_SERVE_FLAGS e.g. "--runs 1 --clients 8"

@@ -25,11 +25,14 @@ import matplotlib.ticker
 from report import fmt_spread, replace_section
 from run import HERE, RESULTS, Worker, artifact, interleaved_runs, machine, ratio, summary
 
+from runtime.pruning import parse_tolerance
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 GENAI = "genai-fp32"
-SYSTEMS = ("runtime-static", "runtime-dynamic", GENAI)
+PRUNED = ("runtime-static-pruned", "runtime-dynamic-pruned")  # the runtime with forget-gate pruning
+SYSTEMS = ("runtime-static", "runtime-dynamic", *PRUNED, GENAI)
 DEFAULT_PROMPTS = (512, 4096, 16384, 32768)
 BEGIN, END = "<!-- long:begin -->", "<!-- long:end -->"
 STYLES = ("-", "--", ":", "-.")  # a line style per model in the plot
@@ -50,13 +53,17 @@ def fits(prompt: int, new_tokens: int, limit: int | None) -> bool:
     return limit is None or prompt + new_tokens <= limit
 
 
-def targets(model: str, context: int, peers: bool, threads: int) -> dict[str, tuple[str, str]]:
-    """Each system's folder and the interpreter its worker runs in; made once, then reused."""
+def targets(model: str, context: int, peers: bool, threads: int, prune: float | None) -> dict[str, tuple[str, str]]:
+    """Each system's folder and the interpreter its worker runs in; made once, then reused. The runtime's
+    artifacts keep every key, and with `prune` (a log pruning tolerance) also drop what it allows."""
     python = sys.executable
     made = {
         "runtime-static": (artifact(model, "static", context, "gqa"), python),
         "runtime-dynamic": (artifact(model, "dynamic", None, "gqa"), python),
     }
+    if prune is not None:
+        made[PRUNED[0]] = (artifact(model, "static", context, "gqa", prune=prune), python)
+        made[PRUNED[1]] = (artifact(model, "dynamic", None, "gqa", prune=prune), python)
     if peers:
         import peers as peer_models
 
@@ -68,7 +75,7 @@ def targets(model: str, context: int, peers: bool, threads: int) -> dict[str, tu
 def measure(model: str, args: argparse.Namespace, threads: int) -> list[dict]:
     """One row per prompt length and system: its figures, or why it was not run at that length."""
     context = max(args.prompts) + args.new_tokens
-    made = targets(model, context, args.peers, threads)
+    made = targets(model, context, args.peers, threads, args.prune)
     limits = {system: capacity(Path(folder)) for system, (folder, _) in made.items()}
     workers = {system: Worker(system, folder, threads, python) for system, (folder, python) in made.items()}
     lost: dict[str, int] = {}  # system -> its worker's exit status
@@ -212,6 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--no-peers", dest="peers", action="store_false", help="leave out onnxruntime-genai")
+    parser.add_argument(
+        "--prune", type=parse_tolerance, default=-10.0, metavar="X|none",
+        help="the log pruning tolerance of the runtime's pruned systems (none: leave them out)",
+    )  # fmt: skip
     parser.add_argument(
         "--out", type=Path, default=RESULTS,
         help="folder for long_context.json and .png; bench/README.md's table is rewritten only for the default",

@@ -144,16 +144,20 @@ def settle(pid: int) -> None:
         time.sleep(QUIET_S)
 
 
-def artifact(model: str, cache: str, length: int | None, attention: str, quantize: str | None = None) -> str:
+def artifact(
+    model: str, cache: str, length: int | None, attention: str, quantize: str | None = None, prune: float | None = None
+) -> str:  # fmt: skip
     """An exported artifact for the benchmark, made once and kept in bench/.artifacts. A quantized one
     (`quantize` "int8", "int4", "int4-sym" or "int4-hqq") is judged as any quantized export is, against the default
-    thresholds; a random-weight preset's on perplexity alone, as its top-1 ranking is noise."""
+    thresholds; a random-weight preset's on perplexity alone, as its top-1 ranking is noise. `prune`: the log
+    pruning tolerance the runtime prunes at (None: it keeps every key, whatever the model's config asks)."""
     from exporters.evaluate import Thresholds
     from exporters.export import QUALITY_THRESHOLDS, ExportOptions, QualityOptions, export_artifact
     from exporters.quantize import BITS, Quantization
     from kvg_export.presets import preset_folder
 
     parts = [model, cache, *([str(length)] if length else []), attention, *([quantize] if quantize else [])]
+    parts += [f"prune{prune:g}"] if prune is not None else []
     out = ARTIFACTS / "-".join(parts)
     if not (out / "kvg_config.json").is_file():
         print(f"exporting {out.name} ...", flush=True)
@@ -165,7 +169,7 @@ def artifact(model: str, cache: str, length: int | None, attention: str, quantiz
             if "seed" in json.loads((preset_folder(model) / "preset.json").read_text()):  # random weights
                 quality.thresholds = Thresholds(QUALITY_THRESHOLDS[BITS[bits]].max_relative_perplexity_diff, 0.0)
         options = ExportOptions(model, out, cache, "fp32", length, force=True, attention=attention,
-                                quantization=quantization, quality=quality)  # fmt: skip
+                                quantization=quantization, quality=quality, log_pruning_tolerance=prune)  # fmt: skip
         export_artifact(options, log=lambda _: None)
     return str(out)
 
