@@ -9,6 +9,7 @@ import torch
 
 from exporters.cli import main as export_main
 from exporters.export import ExportOptions, export_artifact
+from kvg_export.corpus import read_split, token_stream
 from kvg_export.fox.pruning import score_bounds
 from kvg_export.presets import load_model
 from runtime.artifact import SessionOptions
@@ -127,6 +128,38 @@ def test_a_pruned_artifact_generates_the_exact_tokens_past_its_slots(artifacts, 
         assert min(result.pruned_positions) > 0
         assert result.tokens == expected.tokens
         assert_within_the_bound(model, result.step_logits, expected.step_logits)
+
+
+def test_teacher_forced_through_its_slots_a_pruned_artifact_scores_a_text_as_the_exact_one(artifacts):
+    """PROMPT + NEW tokens scored through SLOTS slots, in prefill chunks that prune between them: the same
+    perplexity within 0.05% and logits within the bound."""
+    model, static, _, exact = artifacts("fox-pro-tiny")
+    ids = np.random.default_rng(5).integers(3, model.config.vocab_size, (1, PROMPT + NEW))
+    pruned = Generator.open(static, CPU).teacher_forced_logits(ids, prefill_chunk=16)
+    expected = Generator.open(exact, CPU).teacher_forced_logits(ids)
+
+    def perplexity(logits: np.ndarray) -> float:
+        shifted = logits[0, :-1] - logits[0, :-1].max(-1, keepdims=True)
+        log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+        return float(np.exp(-log_probs[np.arange(ids.shape[1] - 1), ids[0, 1:]].mean()))
+
+    assert abs(perplexity(pruned) / perplexity(expected) - 1) < 5e-4
+    assert_within_the_bound(model, list(pruned[0]), list(expected[0]))
+
+
+def test_a_trained_preset_as_make_export_makes_it_prunes_held_out_text_within_the_bound(exported):
+    """fox-pro-py's config sets -10: 2,048 tokens of held-out Python, then 64 greedy ones, pruned and with every
+    key on the same artifact. Its first layer's heads forget within tens of tokens."""
+    artifact = exported("fox-pro-py", "dynamic")[0].path
+    generator = Generator.open(artifact, CPU)
+    assert generator.pruning.log_tolerance == TOLERANCE
+    prompt = token_stream(generator.tokenizer, read_split("test"), 2, longest_first=True)[:2048].tolist()
+    config = GenerationConfig(max_new_tokens=64, min_new_tokens=64)
+    result = generator.generate([prompt], config, keep_logits=True)
+    expected = Generator.open(artifact, CPU, None).generate([prompt], config, keep_logits=True)
+    assert result.pruned_positions[0] > 1024
+    assert result.tokens == expected.tokens
+    assert_within_the_bound(load_model("fox-pro-py"), result.step_logits, expected.step_logits)
 
 
 def test_every_dropped_key_decays_below_its_threshold_in_every_head(artifacts):
