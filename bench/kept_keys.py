@@ -19,8 +19,8 @@ from pathlib import Path
 import matplotlib
 import numpy as np
 import torch
-from report import replace_section
-from run import HERE, RESULTS, machine
+from report import publish
+from run import RESULTS, machine
 from tokenizers import Tokenizer
 
 from kvg_export.corpus import read_split, token_stream
@@ -139,9 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         "![kept keys](results/kept_keys.png)",
         END,
     ])  # fmt: skip
-    if args.out.resolve() == RESULTS.resolve():
-        replace_section(HERE / "README.md", BEGIN, END, text)
-    print(text)
+    publish(args.out, BEGIN, END, text)
     return 0
 
 

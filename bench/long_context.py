@@ -22,8 +22,8 @@ from pathlib import Path
 
 import matplotlib
 import matplotlib.ticker
-from report import fmt_spread, replace_section
-from run import HERE, RESULTS, Worker, artifact, interleaved_runs, machine, ratio, summary
+from report import fmt_spread, publish
+from run import RESULTS, Worker, artifact, interleaved_runs, machine, ratio, summary
 
 from runtime.pruning import parse_tolerance
 
@@ -241,9 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "long_context.json").write_text(json.dumps(results, indent=2) + "\n")
     plot(results, args.out / "long_context.png")
     text = report(results)
-    if args.out.resolve() == RESULTS.resolve():
-        replace_section(HERE / "README.md", BEGIN, END, text)
-    print(text)
+    publish(args.out, BEGIN, END, text)
     return 0
 
 

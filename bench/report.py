@@ -7,7 +7,7 @@ from pathlib import Path
 
 import matplotlib
 import matplotlib.ticker
-from run import precision
+from run import HERE, RESULTS, precision
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -245,3 +245,11 @@ def replace_section(readme: Path, begin: str, end: str, text: str) -> None:
     pattern = re.compile(re.escape(begin) + ".*" + re.escape(end), re.S)
     updated = pattern.sub(lambda _: text, current) if begin in current else current + "\n" + text + "\n"
     readme.write_text(updated)
+
+
+def publish(out: Path, begin: str, end: str, text: str) -> None:
+    """Print a benchmark's README section, and put it in bench/README.md when its results went to the default
+    folder (a run elsewhere is a trial, not the record)."""
+    if out.resolve() == RESULTS.resolve():
+        replace_section(HERE / "README.md", begin, end, text)
+    print(text)

@@ -191,6 +191,25 @@ def test_every_dropped_key_decays_below_its_threshold_in_every_head(artifacts):
             assert decay < thresholds[layer, head], (layer, head)
 
 
+@pytest.mark.parametrize("attention", ["standard", "onnx-attention"])
+def test_static_artifacts_of_other_attention_graphs_prune_too(artifacts, tmp_path, attention):
+    """A standard graph (no window_offsets: every layer keeps one window, what all heads allow) and ONNX
+    Attention over TensorScatter (each layer its own window), through SLOTS slots, against the exact run."""
+    model, _, _, exact = artifacts("fox-pro-tiny")
+    model.save_pretrained(tmp_path / "checkpoint")
+    options = ExportOptions(str(tmp_path / "checkpoint"), tmp_path / attention, "static", max_cache_len=SLOTS)
+    options.attention, options.log_pruning_tolerance = attention, TOLERANCE
+    generator = Generator.open(export_artifact(options, log=lambda line: None).path, CPU)
+    row, config = prompts(model.config.vocab_size), GenerationConfig(max_new_tokens=NEW, min_new_tokens=NEW)
+    result = generator.generate(row, config, keep_logits=True)
+    expected = Generator.open(exact, CPU).generate(row, config, keep_logits=True)
+    assert min(result.pruned_positions) > 0
+    if attention == "standard":  # one window for every layer
+        assert len(set(result.pruned_positions)) == 1
+    assert result.tokens == expected.tokens
+    assert_within_the_bound(model, result.step_logits, expected.step_logits)
+
+
 def test_each_layer_drops_as_far_as_its_own_heads_allow(tmp_path):
     """Layer 0 forgets within tokens, layer 1 hardly at all: layer 0's window shrinks while layer 1 keeps every
     position, and the tokens and logits are those of the same artifact run without pruning."""
