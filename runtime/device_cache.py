@@ -131,13 +131,7 @@ class DeviceCache:
         kept = needs.max(1) if self.by_layer else np.full(len(needs), needs.max())  # per layer
         room = new if self.capacity is None else min(new, self.capacity - int(kept.max()))
         if room < 1:
-            layer, head = np.unravel_index(needs.argmax(), needs.shape)
-            raise PruningError(
-                f"layer {layer} head {head} still weighs all of its last {needs[layer, head]} positions above the "
-                f"pruning threshold ({self.thresholds[layer][head]:.1f}), which leaves no room for a new one in this "
-                f"artifact's {self.capacity} slots; re-export with a larger --max-cache-len, or prune more (a higher "
-                "--log-pruning-tolerance)"
-            )
+            raise PruningError.no_room(needs, self.thresholds, self.capacity)
         for layer, names in enumerate(self.layer_buffers):
             drop = int(slots[layer] - kept[layer])
             for past in names if drop > 0 else ():

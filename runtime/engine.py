@@ -19,7 +19,9 @@ from pathlib import Path
 import numpy as np
 
 from runtime.artifact import ArtifactError
+from runtime.device_cache import PRUNE_EVERY
 from runtime.generator import GenerationConfig, Generator, bind_chunk, chunk_size, chunk_spans
+from runtime.pruning import PruningError, needed_slots
 from runtime.row_cache import RowCache
 from runtime.sampling import Sampler
 
@@ -70,6 +72,8 @@ class _Row:
     stops: np.ndarray  # the same, as the ids banned before min_new_tokens
     generated: list[int] = field(default_factory=list)
     context: list[np.ndarray] | None = None  # the prompt and tokens so far, for a repetition penalty
+    thresholds: np.ndarray | None = None  # forget-gate pruning's, per layer and head (None: every key kept)
+    dropped: int = 0  # the request's oldest positions that pruning dropped: its slots before `begin`
 
     @property
     def feeds_left(self) -> int:
@@ -124,6 +128,19 @@ class Engine:
     def check(self, prompt: list[int], config: GenerationConfig) -> None:
         """Raise what `submit` would refuse the request for (ArtifactError, ValueError), queueing nothing."""
         self.generator.check_request([prompt], config)
+        needed = len(prompt) + self._reserved(config.max_new_tokens - 1)
+        if self.generator.pruning is not None and needed > self.cache.length:  # else check_request saw to it
+            raise ArtifactError(
+                f"prompt ({len(prompt)} tokens) and the next {needed - len(prompt)} new ones need {needed} cache "
+                f"slots before pruning can free any, over this artifact's max_cache_len {self.cache.length}; "
+                "shorten it or re-export with a larger --max-cache-len"
+            )
+
+    def _reserved(self, feeds: int) -> int:
+        """The slots a row's `feeds` decode steps are sure to need: all of them, or with pruning the next one's
+        (at the end of the cache each row drops what it can; one that still needs more then fails, naming its
+        head: see `_make_room`)."""
+        return feeds if self.generator.pruning is None else min(feeds, 1)
 
     def submit(self, prompt: list[int], config: GenerationConfig, emit: Callable[[Event], None]) -> Request:
         """Queue a request; refuses at once what cannot run (ArtifactError, ValueError) or a full queue."""
@@ -216,7 +233,8 @@ class Engine:
         clock = max(self.clock, length)
         lift = clock - self.clock
         first = min([row.begin + lift for row in running] + [clock - length])
-        if clock - first + max([row.feeds_left for row in running] + [feeds]) > self.cache.length:
+        reserved = max(self._reserved(left) for left in [row.feeds_left for row in running] + [feeds])
+        if clock - first + reserved > self.cache.length:
             return None
         if lift and running:
             rows = [index for index, row in enumerate(self.rows) if row is not None]
@@ -245,7 +263,10 @@ class Engine:
         context = [np.array(prompt, dtype=np.int64)] if penalised else None
         stop_ids = frozenset(self.generator.eos) | frozenset(config.stop_tokens)
         stops = np.array(sorted(stop_ids), dtype=np.int64)
-        self.rows[row] = _Row(request, begin, Sampler(config.sampling), stop_ids, stops, context=context)
+        pruning = self.generator.pruning
+        thresholds = None if pruning is None else pruning.thresholds(len(prompt) + config.max_new_tokens - 1)
+        sampler = Sampler(config.sampling)
+        self.rows[row] = _Row(request, begin, sampler, stop_ids, stops, context=context, thresholds=thresholds)
         self._choose(row, logits)
 
     def _step(self) -> None:
@@ -254,14 +275,20 @@ class Engine:
         if not self.busy_rows:
             return
         if self.clock == self.cache.length:
-            self._compact()
+            self._make_room()
+            if not self.busy_rows:
+                return
+        elif self.generator.pruning is not None and self.clock % PRUNE_EVERY == 0:
+            self._prune()
         count = max(index for index, row in enumerate(self.rows) if row is not None) + 1
         ids = np.full((count, 1), self.generator.pad, dtype=np.int64)
         begins = np.full(count, self.clock, dtype=np.int64)  # a free row attends its own slot alone
+        dropped = np.zeros(count, dtype=np.int64)
         for index, row in enumerate(self.rows[:count]):
             if row is not None:
-                ids[index, 0], begins[index] = row.generated[-1], row.begin
+                ids[index, 0], begins[index], dropped[index] = row.generated[-1], row.begin, row.dropped
         mask = (np.arange(self.clock + 1) >= begins[:, None]).astype(np.int64)
+        mask[np.arange(count), begins] += dropped  # so that RoPE positions count them (see DeviceCache.window_mask)
         binding = self._decode
         binding.bind_cpu_input("input_ids", ids)
         binding.bind_cpu_input("attention_mask", mask)
@@ -288,6 +315,31 @@ class Engine:
         for index, row in enumerate(self.rows):
             if row is not None and row.request.cancelled:
                 self.rows[index] = None
+
+    def _prune(self) -> dict[int, np.ndarray]:
+        """Drop each pruned row's oldest slots that every head of every layer allows (they fall out of its mask,
+        and out of the cache at the next `_compact`); returns the slots each row's heads still need
+        `[layers, heads]`, by row."""
+        needs = {}
+        for index, row in enumerate(self.rows):
+            if row is None or row.thresholds is None:
+                continue
+            needs[index] = needed_slots(self.cache.gates(index, row.begin, self.clock), row.thresholds)
+            drop = self.clock - row.begin - int(needs[index].max())
+            row.begin, row.dropped = row.begin + drop, row.dropped + drop
+        return needs
+
+    def _make_room(self) -> None:
+        """At the end of the cache: drop what pruning allows and move every running row's slots to the front;
+        while that leaves no room, the row that holds the most slots fails, naming the head that needs them."""
+        while self.busy_rows:
+            needs = self._prune() if self.generator.pruning is not None else {}
+            self._compact()
+            if self.clock < self.cache.length:
+                return
+            index = min((i for i, row in enumerate(self.rows) if row is not None), key=lambda i: self.rows[i].begin)
+            row, self.rows[index] = self.rows[index], None
+            self._send(row.request, Failed(str(PruningError.no_room(needs[index], row.thresholds, self.cache.length))))
 
     def _compact(self) -> None:
         """Move every running row's slots to the front once the clock reaches the end of the cache."""

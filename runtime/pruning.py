@@ -26,6 +26,17 @@ Tolerance = float | str | None  # a log_pruning_tolerance, AS_EXPORTED, or None:
 class PruningError(ArtifactError):
     """A head still needs more slots than the cache has: the request cannot go on exactly."""
 
+    @classmethod
+    def no_room(cls, needs: np.ndarray, thresholds: np.ndarray, capacity: int) -> PruningError:
+        """For the neediest head of `needs` `[layers, heads]` (slots each head still needs)."""
+        layer, head = np.unravel_index(needs.argmax(), needs.shape)
+        return cls(
+            f"layer {layer} head {head} still weighs all of its last {needs[layer, head]} positions above the "
+            f"pruning threshold ({thresholds[layer][head]:.1f}), which leaves no room for a new one in this "
+            f"artifact's {capacity} slots; re-export with a larger --max-cache-len, or prune more (a higher "
+            "--log-pruning-tolerance)"
+        )
+
 
 @dataclass(frozen=True)
 class Pruning:

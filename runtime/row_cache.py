@@ -12,6 +12,7 @@ binds rows [0, n), a prefill binds one row, and nothing is copied between steps.
 
 from __future__ import annotations
 
+import numpy as np
 import onnxruntime as ort
 
 from runtime import buffers
@@ -25,6 +26,7 @@ class RowCache:
         pairs = list(zip(artifact.past_names(), artifact.present_names(), strict=True))
         self.slotted = [pair for pair in pairs if not pair[0].endswith("shift")]  # keys, values, gates
         self.shifted = [pair for pair in pairs if pair[0].endswith("shift")]  # shift models' token-shift states
+        self.gate_names = [past for past, _ in self.slotted if past.endswith(".gate")]  # by layer
         self.dtypes = {past: artifact.input_spec(past)["dtype"] for past, _ in pairs}
         self.buffers = {past: self._zeros(past, rows) for past, _ in pairs}
         # A shift state is read and replaced by one step, so it lives in two buffers that trade roles
@@ -68,6 +70,10 @@ class RowCache:
         for past, present in self.shifted:
             held = (self.buffers[past], self.spare[past], self.fresh[past])
             buffers.bind_row_state(binding, (past, present), held, self.dtypes[past], self.device, row, chunk, chunks)
+
+    def gates(self, row: int, begin: int, end: int) -> list[np.ndarray]:
+        """Slots [begin, end) of `row`'s gates, `[1, heads, end - begin]` per layer (views on the CPU)."""
+        return [buffers.to_host(self.buffers[past], "float32")[row : row + 1, :, begin:end] for past in self.gate_names]
 
     def move(self, rows: list[int], begin: int, end: int, to: int) -> None:
         """Move slots [begin, end) of `rows` to start at slot `to`, in every key, value and gate buffer."""

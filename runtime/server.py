@@ -373,6 +373,5 @@ class ServeOptions:
 
 
 def open_app(options: ServeOptions) -> FastAPI:
-    # The engine's rows keep every position: its cache rows do not drop slots yet (see runtime/pruning.py)
-    generator = Generator.open(options.artifact, SessionOptions(options.provider, options.threads), None)
+    generator = Generator.open(options.artifact, SessionOptions(options.provider, options.threads))
     return create_app(Engine(generator, options.max_batch, options.max_queue, options.timeout_s), options.name)

@@ -2,6 +2,7 @@
 and a pruned artifact of few slots generates what an unpruned one of many does, past its slots' length."""
 
 import math
+import threading
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from kvg_export.corpus import read_split, token_stream
 from kvg_export.fox.pruning import score_bounds
 from kvg_export.presets import load_model
 from runtime.artifact import SessionOptions
+from runtime.engine import Engine, Failed, Finished, Token
 from runtime.generator import GenerationConfig, Generator
 from runtime.pruning import PruningError, droppable
 
@@ -208,6 +210,54 @@ def test_static_artifacts_of_other_attention_graphs_prune_too(artifacts, tmp_pat
         assert len(set(result.pruned_positions)) == 1
     assert result.tokens == expected.tokens
     assert_within_the_bound(model, result.step_logits, expected.step_logits)
+
+
+def serve(generator: Generator, requests: list[tuple[list[int], GenerationConfig]]) -> list[tuple[list[int], object]]:
+    """Each request's tokens and its end, all submitted at once to an engine of as many rows."""
+    engine = Engine(generator, max_batch=len(requests))
+    results, ended = [([], None) for _ in requests], threading.Semaphore(0)
+
+    def emit(index: int):
+        def on_event(event):
+            if isinstance(event, Token):
+                results[index][0].append(event.token)
+            else:
+                results[index] = (results[index][0], event)
+                ended.release()
+
+        return on_event
+
+    try:
+        for index, (prompt, config) in enumerate(requests):
+            engine.submit(prompt, config, emit(index))
+        for _ in requests:
+            assert ended.acquire(timeout=120), "a request never ended"
+    finally:
+        engine.close()
+    return results
+
+
+def test_the_serving_engine_prunes_each_row_past_its_slots(artifacts):
+    """Two requests at once through the static artifact's SLOTS slots, each row dropping its own oldest
+    slots: each gets the tokens it gets alone, with every key, far past the slots' length."""
+    model, static, _, exact = artifacts("fox-gqa-tiny")  # RoPE: positions must count the dropped slots
+    config = GenerationConfig(max_new_tokens=NEW, min_new_tokens=NEW)
+    rows = [prompt[:40] for prompt in prompts(model.config.vocab_size, batch=2)]
+    got = serve(Generator.open(static, CPU), [(row, config) for row in rows])
+    for row, (tokens, end) in zip(rows, got, strict=True):
+        assert isinstance(end, Finished) and end.completion_tokens == NEW
+        assert tokens == Generator.open(exact, CPU).generate([row], config).tokens[0]
+
+
+def test_a_served_request_whose_head_keeps_more_than_the_slots_fails_naming_it(tmp_path):
+    model = forgetting("fox-pro-tiny", [-200.0, -4.0, -2.0, 30.0])  # head 3 forgets nothing
+    model.save_pretrained(tmp_path / "checkpoint")
+    options = ExportOptions(str(tmp_path / "checkpoint"), tmp_path / "static", "static", max_cache_len=SLOTS)
+    options.log_pruning_tolerance = TOLERANCE
+    generator = Generator.open(export_artifact(options, log=lambda line: None).path, CPU)
+    [(tokens, end)] = serve(generator, [(prompts(512)[0][:40], GenerationConfig(max_new_tokens=NEW))])
+    assert isinstance(end, Failed) and len(tokens) == SLOTS - 40 + 1  # each token fed back fills a slot
+    assert f"head 3 still weighs all of its last {SLOTS} positions" in end.message
 
 
 def test_each_layer_drops_as_far_as_its_own_heads_allow(tmp_path):
