@@ -53,8 +53,9 @@ class Pruning:
             return None
         if recorded is None:
             raise ValueError(
-                "this artifact records no score bounds to prune with (it was exported without pruning); "
-                "re-export it with --log-pruning-tolerance"
+                "this artifact records no score bounds to prune with (it was exported before pruning existed, or "
+                "with a standard dynamic cache, which cannot drop slots); re-export it, with gqa attention or a "
+                "static cache"
             )
         check_tolerance(log_tolerance)
         return cls(float(log_tolerance), np.asarray(recorded["score_bounds"], dtype=np.float64))
