@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from runtime.artifact import ArtifactError
+from runtime.pruning import describe
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -55,9 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ArtifactError, ValueError) as error:
         print(f"kvg-serve: error: {error}", file=sys.stderr)
         return 2
-    device = app.state.kvg.engine.generator.artifact.device
-    print(f"kvg-serve: {options.name} on {device.upper()}, {args.max_batch} rows, http://{args.host}:{args.port}/v1",
-          file=sys.stderr)  # fmt: skip
+    generator = app.state.kvg.engine.generator
+    print(f"kvg-serve: {options.name} on {generator.artifact.device.upper()}, {args.max_batch} rows, "
+          f"{describe(generator.pruning)}, http://{args.host}:{args.port}/v1", file=sys.stderr)  # fmt: skip
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 
