@@ -13,7 +13,7 @@ from exporters.export import ExportOptions, export_artifact
 from kvg_export.corpus import read_split, token_stream
 from kvg_export.fox.pruning import score_bounds
 from kvg_export.presets import load_model
-from runtime.artifact import SessionOptions
+from runtime.artifact import ArtifactError, SessionOptions
 from runtime.engine import Engine, Failed, Finished, Token
 from runtime.generator import GenerationConfig, Generator
 from runtime.pruning import PruningError, droppable
@@ -249,12 +249,18 @@ def test_the_serving_engine_prunes_each_row_past_its_slots(artifacts):
         assert tokens == Generator.open(exact, CPU).generate([row], config).tokens[0]
 
 
-def test_a_served_request_whose_head_keeps_more_than_the_slots_fails_naming_it(tmp_path):
-    model = forgetting("fox-pro-tiny", [-200.0, -4.0, -2.0, 30.0])  # head 3 forgets nothing
-    model.save_pretrained(tmp_path / "checkpoint")
-    options = ExportOptions(str(tmp_path / "checkpoint"), tmp_path / "static", "static", max_cache_len=SLOTS)
+@pytest.fixture(scope="module")
+def unforgetting(tmp_path_factory):
+    """A pruned static artifact of SLOTS slots whose head 3 forgets nothing."""
+    folder = tmp_path_factory.mktemp("unforgetting")
+    forgetting("fox-pro-tiny", [-200.0, -4.0, -2.0, 30.0]).save_pretrained(folder / "checkpoint")
+    options = ExportOptions(str(folder / "checkpoint"), folder / "static", "static", max_cache_len=SLOTS)
     options.log_pruning_tolerance = TOLERANCE
-    generator = Generator.open(export_artifact(options, log=lambda line: None).path, CPU)
+    return export_artifact(options, log=lambda line: None).path
+
+
+def test_a_served_request_whose_head_keeps_more_than_the_slots_fails_naming_it(unforgetting):
+    generator = Generator.open(unforgetting, CPU)
     [(tokens, end)] = serve(generator, [(prompts(512)[0][:40], GenerationConfig(max_new_tokens=NEW))])
     assert isinstance(end, Failed) and len(tokens) == SLOTS - 40 + 1  # each token fed back fills a slot
     assert f"head 3 still weighs all of its last {SLOTS} positions" in end.message
@@ -275,16 +281,12 @@ def test_each_layer_drops_as_far_as_its_own_heads_allow(tmp_path):
     assert_within_the_bound(model, result.step_logits, expected.step_logits)
 
 
-def test_a_head_that_keeps_more_than_the_slots_ends_the_request_naming_it(tmp_path):
-    model = forgetting("fox-pro-tiny", [-200.0, -4.0, -2.0, 30.0])  # head 3 forgets nothing
-    model.save_pretrained(tmp_path / "checkpoint")
-    options = ExportOptions(str(tmp_path / "checkpoint"), tmp_path / "static", "static", max_cache_len=SLOTS)
-    options.log_pruning_tolerance = TOLERANCE
-    generator = Generator.open(export_artifact(options, log=lambda line: None).path, CPU)
+def test_a_head_that_keeps_more_than_the_slots_ends_the_request_naming_it(unforgetting):
+    generator = Generator.open(unforgetting, CPU)
     with pytest.raises(PruningError, match=rf"layer 0 head 3 .* {SLOTS} slots.*--max-cache-len"):
-        generator.generate(prompts(model.config.vocab_size), GenerationConfig(max_new_tokens=NEW))
+        generator.generate(prompts(512), GenerationConfig(max_new_tokens=NEW))
     # Without pruning the request is refused up front instead
-    with pytest.raises(Exception, match="max_cache_len"):
+    with pytest.raises(ArtifactError, match="max_cache_len"):
         Generator(generator.artifact, None, None).generate(prompts(512), GenerationConfig(max_new_tokens=NEW))
 
 
