@@ -205,11 +205,15 @@ class Artifact:
     def present_names(self) -> list[str]:
         return [e["name"] for e in self.manifest["outputs"] if e["name"].startswith("present.")]
 
+    def takes(self, optional_input: str) -> bool:
+        """Whether the graph takes this optional input (an artifact exported before it existed does not)."""
+        return any(entry["name"] == optional_input for entry in self.manifest.get("optional_inputs", []))
+
     @property
     def keeps_logits(self) -> bool:
         """Whether the graph takes `logits_to_keep` (exporters/last_logits.py): a prefill's logits can then be its
         last position's alone."""
-        return any(entry["name"] == "logits_to_keep" for entry in self.manifest.get("optional_inputs", []))
+        return self.takes("logits_to_keep")
 
     def input_spec(self, name: str) -> dict:
         return next(e for e in self.manifest["inputs"] if e["name"] == name)

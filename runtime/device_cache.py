@@ -54,7 +54,7 @@ class DeviceCache:
         self.capacity = limit if in_place else None  # the slots a pruned request may fill (None: any number)
         self.thresholds: np.ndarray | None = None  # per layer and head, while a pruned request runs
         # Each layer's own window, where the graph takes window_offsets (exporters/window_offsets.py)
-        self.by_layer = WINDOW_OFFSETS in {spec["name"] for spec in artifact.manifest["optional_inputs"]}
+        self.by_layer = artifact.takes(WINDOW_OFFSETS)
         self.offsets = np.zeros(layers, dtype=np.int64)  # window_offsets: each layer's start past `offset`
         self.offsets_value = ort.OrtValue.ortvalue_from_numpy(self.offsets)  # bound once, read at every run
         self.reset()
