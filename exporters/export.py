@@ -29,6 +29,7 @@ from exporters.validate import MIN_STATIC_LENGTH, ValidationReport, validate_exp
 from kvg_export.folders import publish, staging_folder
 from kvg_export.fox.pruning import bound_kind, score_bounds
 from kvg_export.presets import load_model, resolve_checkpoint
+from runtime.device_cache import held_in_place
 from runtime.pruning import check_tolerance
 
 AS_CONFIG = "config"  # --log-pruning-tolerance's default: the checkpoint config's log_pruning_tolerance
@@ -170,22 +171,17 @@ def _check_pruning(options: ExportOptions) -> None:
         check_tolerance(options.log_pruning_tolerance)
     except ValueError as error:
         raise ExportError(f"--log-pruning-tolerance: {error}") from None
-    if not _prunable(options):
+    if not held_in_place(options.cache == "static", options.attention):
         raise ExportError(
             "forget-gate pruning drops slots from a cache held in place: use --cache static or --attention gqa, "
             "or --log-pruning-tolerance none"
         )
 
 
-def _prunable(options: ExportOptions) -> bool:
-    """Whether the runtime can move this artifact's cache slots (a static cache, or a dynamic one held in place)."""
-    return options.cache == "static" or options.attention == "gqa"
-
-
 def _pruning(options: ExportOptions, model) -> dict | None:
     """The manifest's pruning record: the tolerance the runtime prunes at by default (None: it does not) and the
     score bounds it prunes with at any tolerance; None for a cache the runtime cannot prune."""
-    if not _prunable(options):
+    if not held_in_place(options.cache == "static", options.attention):
         return None
     tolerance = options.log_pruning_tolerance
     if tolerance == AS_CONFIG:

@@ -29,14 +29,20 @@ def _field(name: str) -> str:
     return name.rsplit(".", 1)[-1]
 
 
+def held_in_place(static: bool, attention: str) -> bool:
+    """Whether the runtime holds a cache's keys, values and gates in place, one buffer bound as past and present:
+    a static cache's always, a dynamic one's where GroupQueryAttention appends to it. Only such a cache can move
+    its slots, as forget-gate pruning does."""
+    return static or attention == "gqa"
+
+
 class DeviceCache:
     def __init__(self, artifact: Artifact, batch: int):
         self.artifact, self.batch, self.device = artifact, batch, artifact.device
-        appends = not artifact.static and artifact.attention == "gqa"
-        self.length = 0 if appends else None  # the in-place buffers' length where `reserve` sets it
+        in_place = held_in_place(artifact.static, artifact.attention)
+        self.length = 0 if in_place and not artifact.static else None  # where `reserve` sets the buffers' length
         self.moved = False  # in-place buffers were replaced since they were last bound
         self.pairs = list(zip(artifact.past_names(), artifact.present_names(), strict=True))
-        in_place = artifact.static or appends
         self.in_place = {past for past, _ in self.pairs if in_place and not _field(past).endswith("shift")}
         self.swapped = {past: present for past, present in self.pairs if in_place and past not in self.in_place}
         self.fed_back = [(i, past, present) for i, (past, present) in enumerate(self.pairs)
@@ -87,10 +93,11 @@ class DeviceCache:
         0 * NaN is NaN. Everything else restarts from zero (shift states) or from empty every generation.
         Pruning stops until `prune_with` starts it again.
         """
-        self.offset, self.thresholds = 0, None  # positions dropped from the front of every layer's buffers
+        self.thresholds = None
         self.dropped = np.zeros(len(self.gate_names), dtype=np.int64)  # positions each layer dropped
         self.offsets[:] = 0
         self.pruned_at = 0  # the filled positions when slots were last dropped
+        self.counted = 0  # the window start up to which `window_mask` has counted the dropped positions
         for past, _ in self.pairs:
             if past not in self.in_place or past not in self.past:
                 self.past[past] = self._zeros(past)
@@ -102,14 +109,23 @@ class DeviceCache:
         runtime/pruning.py) from now on."""
         self.thresholds = np.asarray(thresholds)
 
+    @property
+    def offset(self) -> int:
+        """Positions dropped from the front of every layer's buffers: where the attention window starts."""
+        return int(self.dropped.min())
+
     def window_mask(self, mask: np.ndarray, end: int) -> np.ndarray:
         """The attention mask of positions [offset, end) `[batch, end - offset]` for the slots the buffers hold.
         Its first column counts the positions dropped before it as well, so that the mask's running sum (a
-        token's RoPE position) stays that of the whole sequence; a 0 (padding, or a finished row) stays 0."""
-        window = np.array(mask[:, self.offset : end])
-        if self.offset:
-            window[:, 0] = np.where(window[:, 0] > 0, mask[:, : self.offset + 1].sum(-1), 0)
-        return window
+        token's RoPE position) stays that of the whole sequence; a 0 (padding, or a finished row) stays 0. The
+        count is written into `mask` itself, once each time the window moves (its columns before the window are
+        never read again), so a decode step slices the mask as it would without pruning."""
+        offset = self.offset
+        if offset != self.counted:  # the column at `counted` holds the count up to it
+            counts = mask[:, self.counted : offset + 1].sum(-1)
+            mask[:, offset] = np.where(mask[:, offset] > 0, counts, 0)
+            self.counted = offset
+        return np.ascontiguousarray(mask[:, offset:end])
 
     def make_room(self, filled: int, new: int, rows) -> int:
         """Before a run of up to `new` positions after `filled`: drop (when pruning) the slots that `rows` (those
@@ -118,9 +134,11 @@ class DeviceCache:
         takes window_offsets, else every layer as far as all heads allow. Returns how many of the `new` positions
         fit (all, without pruning: `Generator.check_request` saw to that); raises PruningError naming the head
         that leaves no room for one."""
+        if self.thresholds is None:
+            return new
         slots = filled - self.dropped  # per layer
         full = self.capacity is not None and slots.max() + new > self.capacity
-        if self.thresholds is None or not (full or new > 1 or filled - self.pruned_at >= PRUNE_EVERY):
+        if not (full or new > 1 or filled - self.pruned_at >= PRUNE_EVERY):
             return new
         self.pruned_at = filled
         gates = [
@@ -138,7 +156,6 @@ class DeviceCache:
                 dtype = self.artifact.input_spec(past)["dtype"]
                 buffers.move_slots(self.past[past], dtype, self.device, slice(None), drop, int(slots[layer]), 0)
             self.dropped[layer] += max(drop, 0)
-        self.offset = int(self.dropped.min())
         self.offsets[:] = self.dropped - self.offset
         return room
 

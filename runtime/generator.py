@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 
 from runtime.artifact import Artifact, ArtifactError, SessionOptions
 from runtime.decode_step import DecodeStep
-from runtime.device_cache import DeviceCache
+from runtime.device_cache import DeviceCache, held_in_place
 from runtime.pruning import AS_EXPORTED, Pruning, Tolerance
 from runtime.sampling import Sampler, SamplingConfig
 from runtime.text_stream import TextStream
@@ -82,8 +82,8 @@ class Generator:
             self.pruning = Pruning.of(artifact.manifest, log_pruning_tolerance)
         except ValueError as error:
             raise ArtifactError(str(error)) from None
-        if self.pruning is not None and not (artifact.static or artifact.attention == "gqa"):
-            raise ArtifactError(  # only a cache held in place can move its slots
+        if self.pruning is not None and not held_in_place(artifact.static, artifact.attention):
+            raise ArtifactError(
                 "forget-gate pruning needs a static cache or gqa attention; this dynamic artifact copies its cache "
                 "each step: run it with log_pruning_tolerance None, or re-export it with --cache static"
             )
