@@ -186,6 +186,13 @@ def _pruning(options: ExportOptions, model) -> dict | None:
     tolerance = options.log_pruning_tolerance
     if tolerance == AS_CONFIG:
         tolerance = model.config.log_pruning_tolerance
+    try:
+        if tolerance is not None:
+            check_tolerance(tolerance)  # an explicit one was checked before the load; the config's is checked here
+    except ValueError as error:
+        raise ExportError(
+            f"the checkpoint's config.json: {error}; fix it there, or override it with --log-pruning-tolerance"
+        ) from None
     return {"log_pruning_tolerance": tolerance, "score_bounds": score_bounds(model), "bound": bound_kind(model.config)}
 
 

@@ -312,3 +312,12 @@ def test_export_refuses_a_tolerance_it_cannot_prune_with(tmp_path, capsys):
     assert export_main(["fox-tiny", "--out", out, "--log-pruning-tolerance", "-10", "--attention", "standard"]) == 2
     assert "cache held in place" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_export_refuses_a_config_whose_tolerance_it_cannot_prune_at(tmp_path, capsys):
+    model = load_model("fox-tiny")
+    model.config.log_pruning_tolerance = 3.0
+    model.save_pretrained(tmp_path / "checkpoint")
+    assert export_main([str(tmp_path / "checkpoint"), "--out", str(tmp_path / "out")]) == 2
+    assert "config.json: log_pruning_tolerance must be a negative number" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
