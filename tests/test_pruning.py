@@ -66,10 +66,10 @@ def prompts(vocab: int, batch: int = 1) -> list[list[int]]:
 def assert_within_the_bound(model, pruned: list[np.ndarray], exact: list[np.ndarray]) -> None:
     """Each query loses at most e^TOLERANCE of its attention weight in each layer (kvg_export/fox/pruning.py),
     which moves that layer's output by at most twice that share of its values; the logits are allowed as much of
-    their scale per layer, on top of float32's own noise."""
+    their scale per layer (float32's own noise, at most 1.2e-5 in these tests, stays far below that)."""
     worst = max(float(abs(a - b).max()) for a, b in zip(pruned, exact, strict=True))
     scale = max(float(abs(b).max()) for b in exact)
-    assert worst <= 2 * model.config.num_hidden_layers * math.exp(TOLERANCE) * scale + 1e-5, worst
+    assert worst <= 2 * model.config.num_hidden_layers * math.exp(TOLERANCE) * scale, worst
 
 
 def test_no_query_key_score_exceeds_the_bound(artifacts):
