@@ -205,6 +205,10 @@ class Artifact:
     def present_names(self) -> list[str]:
         return [e["name"] for e in self.manifest["outputs"] if e["name"].startswith("present.")]
 
+    def gate_names(self) -> list[str]:
+        """Each layer's gate input, layer by layer: what forget-gate pruning reads."""
+        return [name for name in self.past_names() if name.endswith(".gate")]
+
     def takes(self, optional_input: str) -> bool:
         """Whether the graph takes this optional input (an artifact exported before it existed does not)."""
         return any(entry["name"] == optional_input for entry in self.manifest.get("optional_inputs", []))

@@ -55,7 +55,7 @@ class DeviceCache:
         for index, past in enumerate(artifact.past_names()):  # layer by layer, its fields in order
             if past in self.in_place:
                 self.layer_buffers[index // fields].append(past)
-        self.gate_names = [past for past in artifact.past_names() if _field(past) == "gate"]  # by layer
+        self.gate_names = artifact.gate_names()
         limit = artifact.manifest["cache"]["max_cache_len"]
         self.capacity = limit if in_place else None  # the slots a pruned request may fill (None: any number)
         self.thresholds: np.ndarray | None = None  # per layer and head, while a pruned request runs

@@ -26,7 +26,7 @@ class RowCache:
         pairs = list(zip(artifact.past_names(), artifact.present_names(), strict=True))
         self.slotted = [pair for pair in pairs if not pair[0].endswith("shift")]  # keys, values, gates
         self.shifted = [pair for pair in pairs if pair[0].endswith("shift")]  # shift models' token-shift states
-        self.gate_names = [past for past, _ in self.slotted if past.endswith(".gate")]  # by layer
+        self.gate_names = artifact.gate_names()
         self.dtypes = {past: artifact.input_spec(past)["dtype"] for past, _ in pairs}
         self.buffers = {past: self._zeros(past, rows) for past, _ in pairs}
         # A shift state is read and replaced by one step, so it lives in two buffers that trade roles
