@@ -1,8 +1,8 @@
 """Continuous batching: one loop serves many requests at once over a static artifact's cache rows.
 
 A request waits in a bounded queue until a row is free and its tokens fit in the cache, is prefilled into
-that row alone (on the shared slot clock, see RowCache), and joins the next decode step, which runs every
-occupied row at once. A row that finishes, is cancelled or runs past its deadline is freed before the next
+that row alone (on the shared slot clock, see RowCache), a chunk of at most `prefill_budget` tokens between two
+decode steps of the others, and then joins the decode steps, which run every occupied row at once. A row that finishes, is cancelled or runs past its deadline is freed before the next
 step, so nobody waits for the longest request. Each request samples with its own Sampler, so its tokens
 are those it gets alone.
 """
@@ -13,7 +13,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +21,7 @@ import numpy as np
 from runtime.artifact import ArtifactError
 from runtime.device_cache import PRUNE_EVERY
 from runtime.generator import GenerationConfig, Generator, bind_chunk, chunk_size, chunk_spans
+from runtime.logprobs import TokenLogprob, chosen_logprob, prompt_logprobs
 from runtime.pruning import PruningError, needed_slots
 from runtime.row_cache import RowCache
 from runtime.sampling import Sampler
@@ -29,6 +30,15 @@ from runtime.sampling import Sampler
 @dataclass(frozen=True)
 class Token:
     token: int
+    logprob: TokenLogprob | None = None  # when the request asked for log-probabilities
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """Sent before any Token to a request that echoes its prompt: the prompt's tokens with their log-probabilities,
+    if it asked for them (else None)."""
+
+    logprobs: list[TokenLogprob] | None
 
 
 @dataclass(frozen=True)
@@ -43,7 +53,8 @@ class Failed:
     message: str
 
 
-Event = Token | Finished | Failed
+Event = Prompt | Token | Finished | Failed
+PREFILL_BUDGET = 256  # prompt tokens prefilled between two decode steps, by default
 
 
 class QueueFull(Exception):
@@ -56,6 +67,8 @@ class Request:
     config: GenerationConfig
     emit: Callable[[Event], None]  # called from the engine's thread: Tokens, then one Finished or Failed
     deadline: float | None  # time.monotonic() past which the request ends
+    logprobs: int | None = None  # alternatives to report with each token's log-probability; None: no log-probabilities
+    echo: bool = False  # send a Prompt event first; max_new_tokens may then be 0
     cancelled: bool = False
 
     def cancel(self) -> None:
@@ -81,6 +94,23 @@ class _Row:
         return self.request.config.max_new_tokens - len(self.generated)
 
 
+@dataclass(eq=False)
+class _Filling:
+    """A request being prefilled, a chunk between two decode steps, into a row of its own."""
+
+    request: Request
+    row: int
+    end: int  # the slot after the prompt's last: where the clock is once the last chunk is in
+    spans: list[tuple[int, int]]  # the chunks' [begin, end) in the prompt
+    scores: list[TokenLogprob]  # the prompt's log-probabilities so far, where the request echoes them
+    done: int = 0  # chunks prefilled
+
+
+def _feeds(config: GenerationConfig) -> int:
+    """Decode steps a request takes: each feeds a token back but the last new one (none when it asks for none)."""
+    return max(config.max_new_tokens - 1, 0)
+
+
 def check_servable(folder: Path, manifest: dict, max_batch: int) -> None:
     """Refuse an artifact the engine cannot batch, naming the fix."""
     if manifest["cache"]["kind"] != "static":
@@ -98,9 +128,19 @@ def check_servable(folder: Path, manifest: dict, max_batch: int) -> None:
 class Engine:
     """Owns the cache rows and the loop; `submit` may be called from any thread."""
 
-    def __init__(self, generator: Generator, max_batch: int, max_queue: int = 64, timeout_s: float | None = None):
+    def __init__(
+        self, generator: Generator, max_batch: int, max_queue: int = 64, timeout_s: float | None = None,
+        prefill_budget: int = PREFILL_BUDGET,
+    ):  # fmt: skip
+        """`prefill_budget`: prompt tokens prefilled between two decode steps (a waiting request's prompt is
+        prefilled in chunks of at most that many, so the running rows wait at most one chunk a step)."""
         check_servable(generator.artifact.folder, generator.artifact.manifest, max_batch)
+        if prefill_budget < 1:
+            raise ArtifactError(f"the prefill budget must be at least 1 token a step, got {prefill_budget}")
         self.generator, self.max_queue, self.timeout_s = generator, max_queue, timeout_s
+        self.prefill_budget = prefill_budget
+        self.filling: _Filling | None = None
+        self._prefill_binding = generator.artifact.session.io_binding()
         self.cache = RowCache(generator.artifact, max_batch)
         self.rows: list[_Row | None] = [None] * max_batch
         self.clock = 0  # the slot the next decode step writes, in every row
@@ -123,12 +163,16 @@ class Engine:
 
     @property
     def busy_rows(self) -> int:
-        return sum(row is not None for row in self.rows)
+        """Rows decoding or being prefilled."""
+        return sum(row is not None for row in self.rows) + (self.filling is not None)
 
     def check(self, prompt: list[int], config: GenerationConfig) -> None:
-        """Raise what `submit` would refuse the request for (ArtifactError, ValueError), queueing nothing."""
-        self.generator.check_request([prompt], config)
-        needed = len(prompt) + self._reserved(config.max_new_tokens - 1)
+        """Raise what `submit` would refuse the request for (ArtifactError, ValueError), queueing nothing. A
+        max_new_tokens of 0 prefills the prompt alone, to score it (see Request.echo)."""
+        if config.max_new_tokens == 0 and config.min_new_tokens:
+            raise ArtifactError("min_new_tokens must be 0 when max_new_tokens is 0")
+        self.generator.check_request([prompt], replace(config, max_new_tokens=max(config.max_new_tokens, 1)))
+        needed = len(prompt) + self._reserved(_feeds(config))
         if self.generator.pruning is not None and needed > self.cache.length:  # else check_request saw to it
             raise ArtifactError(
                 f"prompt ({len(prompt)} tokens) and the next {needed - len(prompt)} new ones need {needed} cache "
@@ -142,11 +186,14 @@ class Engine:
         head: see `_make_room`)."""
         return feeds if self.generator.pruning is None else min(feeds, 1)
 
-    def submit(self, prompt: list[int], config: GenerationConfig, emit: Callable[[Event], None]) -> Request:
+    def submit(
+        self, prompt: list[int], config: GenerationConfig, emit: Callable[[Event], None],
+        logprobs: int | None = None, echo: bool = False,
+    ) -> Request:  # fmt: skip
         """Queue a request; refuses at once what cannot run (ArtifactError, ValueError) or a full queue."""
         self.check(prompt, config)
         deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
-        request = Request(list(prompt), config, emit, deadline)
+        request = Request(list(prompt), config, emit, deadline, logprobs, echo)
         with self._wake:
             if self._closing:
                 raise ArtifactError("the engine is shutting down")
@@ -162,7 +209,8 @@ class Engine:
             self._closing = True
             self._wake.notify()
         self._thread.join()
-        for request in [*self.waiting, *(row.request for row in self.rows if row is not None)]:
+        filling = [self.filling.request] if self.filling is not None else []
+        for request in [*self.waiting, *filling, *(row.request for row in self.rows if row is not None)]:
             self._send(request, Failed("the server is shutting down"))
 
     def _loop(self) -> None:
@@ -174,8 +222,10 @@ class Engine:
                     return
             try:
                 self._admit()
-                if self.busy_rows:
+                if self._decoding:
                     self._step()
+                if self.filling is not None:
+                    self._fill()
             except Exception as error:  # a fault of the engine's own: the running requests fail, the loop goes on
                 self._fail_running(f"internal error: {error!r}")
 
@@ -210,31 +260,40 @@ class Engine:
         return None
 
     def _admit(self) -> None:
-        """Prefill waiting requests into free rows, oldest first, while they fit."""
-        while None in self.rows and (request := self._next_waiting()) is not None:
-            begin = self._place(len(request.prompt), request.config.max_new_tokens - 1)
-            if begin is None:
-                return  # it fits once running rows end: it stays first in the queue
-            with self._wake:
-                self.waiting.popleft()
-            row = self.rows.index(None)
-            try:
-                self._prefill(row, request, begin)
-            except Exception as error:  # onnxruntime refused this request: it fails, the engine goes on
-                self.rows[row] = None
-                self._send(request, Failed(f"prefill failed: {error}"))
+        """Start prefilling the oldest waiting request into a free row once it fits; one prefill at a time."""
+        row = next((i for i, held in enumerate(self.rows) if held is None and i != self._filling_row), None)
+        if self.filling is not None or row is None or (request := self._next_waiting()) is None:
+            return
+        spans = chunk_spans(len(request.prompt), self._chunk(request.config))
+        end = self._place(len(request.prompt), _feeds(request.config), len(spans))
+        if end is None:
+            return  # it fits once running rows end: it stays first in the queue
+        with self._wake:
+            self.waiting.popleft()
+        self.filling = _Filling(request, row, end, spans, [TokenLogprob(request.prompt[0], None)])
 
-    def _place(self, length: int, feeds: int) -> int | None:
-        """The first slot for a prompt of `length` tokens ending at the clock, moving the running rows later
-        when the clock is not yet that far; None while the rows' needs do not fit in the cache together."""
+    def _chunk(self, config: GenerationConfig) -> int:
+        """Prompt tokens a prefill run takes: the budget between two decode steps, or fewer (see chunk_size)."""
+        return chunk_size(self.generator.artifact, 1, self.cache.length, min(self.prefill_budget, config.prefill_chunk))
+
+    @property
+    def _filling_row(self) -> int | None:
+        return None if self.filling is None else self.filling.row
+
+    def _place(self, length: int, feeds: int, chunks: int) -> int | None:
+        """Where a prompt of `length` tokens, prefilled in `chunks` runs, ends: the clock once its last chunk is in,
+        one decode step after each. Moves the running rows later when the clock is not far enough on for the prompt
+        to fit before that; None while the rows' needs do not fit in the cache together."""
         running = [row for row in self.rows if row is not None]
         if not running:
             self.clock = 0
-        clock = max(self.clock, length)
-        lift = clock - self.clock
-        first = min([row.begin + lift for row in running] + [clock - length])
+        elif self.clock + chunks > self.cache.length:  # it would end past the cache: the running rows move up first
+            self._compact()
+        end = max(self.clock + chunks, length)
+        lift = end - chunks - self.clock
+        first = min([row.begin + lift for row in running] + [end - length])
         reserved = max(self._reserved(left) for left in [row.feeds_left for row in running] + [feeds])
-        if clock - first + reserved > self.cache.length:
+        if end - first + reserved > self.cache.length:
             return None
         if lift and running:
             rows = [index for index, row in enumerate(self.rows) if row is not None]
@@ -242,23 +301,54 @@ class Engine:
             self.cache.move(rows, start, self.clock, start + lift)
             for row in running:
                 row.begin += lift
-        self.clock = clock
-        return clock - length
+        self.clock += lift
+        return end
 
-    def _prefill(self, row: int, request: Request, begin: int) -> None:
+    def _fill(self) -> None:
+        """Prefill the next chunk of the request being prefilled; after its last, the request joins decoding.
+
+        The prompt's slots end at `filling.end`, which the clock reaches with the last chunk, and each chunk writes
+        slots the clock has passed: a decode step meanwhile writes its padding into the row's slot at the clock,
+        which a later chunk then overwrites. The clock lags the chunks only while no row decodes, and then catches
+        up without a step."""
+        filling, session = self.filling, self.generator.artifact.session
+        request, binding = filling.request, self._prefill_binding
         config, prompt = request.config, request.prompt
-        session, binding = self.generator.artifact.session, self.generator.artifact.session.io_binding()
-        spans = chunk_spans(
-            len(prompt), chunk_size(self.generator.artifact, 1, self.cache.length, config.prefill_chunk)
-        )
-        for index, (start, end) in enumerate(spans):
-            mask = np.zeros((1, begin + end), dtype=np.int64)
-            mask[:, begin:] = 1
-            ids = np.array([prompt[start:end]], dtype=np.int64)
-            bind_chunk(binding, self.generator.artifact, ids, mask, begin + start, self.cache.device, last_only=True)
-            self.cache.bind_row(binding, row, index, len(spans))
+        if request.cancelled:
+            self.filling = None
+            return
+        start, end = filling.spans[filling.done]
+        begin = filling.end - len(prompt)
+        self.clock = max(self.clock, begin + end)
+        scoring = request.echo and request.logprobs is not None  # every position's logits, to score the prompt
+        mask = np.zeros((1, begin + end), dtype=np.int64)
+        mask[:, begin:] = 1
+        ids = np.array([prompt[start:end]], dtype=np.int64)
+        try:
+            bind_chunk(binding, self.generator.artifact, ids, mask, begin + start, self.cache.device, not scoring)
+            self.cache.bind_row(binding, filling.row, filling.done, len(filling.spans))
             session.run_with_iobinding(binding)
-        logits = binding.get_outputs()[0].numpy()[:, -1]
+        except Exception as error:  # onnxruntime refused this request: it fails, the engine goes on
+            self.filling = None
+            self._send(request, Failed(f"prefill failed: {error}"))
+            return
+        if scoring:
+            chunk = binding.get_outputs()[0].numpy()[0]
+            filling.scores += prompt_logprobs(chunk, prompt, start, config.sampling, request.logprobs)
+        filling.done += 1
+        if filling.done == len(filling.spans):
+            self.filling = None
+            if request.echo:
+                self._send(request, Prompt(filling.scores if scoring else None))
+            if config.max_new_tokens > 0:
+                self._join(filling, begin, binding.get_outputs()[0].numpy()[:, -1])
+            else:
+                self._send(request, Finished("length", len(prompt), 0))
+
+    def _join(self, filling: _Filling, begin: int, logits: np.ndarray) -> None:
+        """A prefilled request's row, decoding from its first token on (chosen from the prompt's last `logits`)."""
+        request = filling.request
+        config, prompt = request.config, request.prompt
         penalised = config.sampling.repetition_penalty != 1.0
         context = [np.array(prompt, dtype=np.int64)] if penalised else None
         stop_ids = frozenset(self.generator.eos) | frozenset(config.stop_tokens)
@@ -266,17 +356,22 @@ class Engine:
         pruning = self.generator.pruning
         thresholds = None if pruning is None else pruning.thresholds(len(prompt) + config.max_new_tokens - 1)
         sampler = Sampler(config.sampling)
-        self.rows[row] = _Row(request, begin, sampler, stop_ids, stops, context=context, thresholds=thresholds)
-        self._choose(row, logits)
+        self.rows[filling.row] = _Row(request, begin, sampler, stop_ids, stops, context=context, thresholds=thresholds)
+        self._choose(filling.row, logits)
+
+    @property
+    def _decoding(self) -> bool:
+        return any(row is not None for row in self.rows)
 
     def _step(self) -> None:
-        """One decode step over rows [0, last occupied]; free rows among them are fed padding and ignored."""
+        """One decode step over rows [0, last occupied]; free rows among them (and a row being prefilled) are fed
+        padding and ignored."""
         self._drop_cancelled()
-        if not self.busy_rows:
+        if not self._decoding:
             return
         if self.clock == self.cache.length:
             self._make_room()
-            if not self.busy_rows:
+            if not self._decoding:
                 return
         elif self.generator.pruning is not None and self.clock % PRUNE_EVERY == 0:
             self._prune()
@@ -332,7 +427,7 @@ class Engine:
     def _make_room(self) -> None:
         """At the end of the cache: drop what pruning allows and move every running row's slots to the front;
         while that leaves no room, the row that holds the most slots fails, naming the head that needs them."""
-        while self.busy_rows:
+        while self._decoding:
             needs = self._prune() if self.generator.pruning is not None else {}
             self._compact()
             if self.clock < self.cache.length:
@@ -361,6 +456,9 @@ class Engine:
         banned = row.stops if early and row.stops.size else None  # as Generator bans
         try:
             token = int(row.sampler.choose(logits, row.context, banned)[0])
+            scored = None
+            if request.logprobs is not None:
+                scored = chosen_logprob(logits, token, config.sampling, request.logprobs, row.context, banned)
         except Exception as error:  # a fault in one request's sampling fails that request only
             self.rows[index] = None
             self._send(request, Failed(f"sampling failed: {error}"))
@@ -368,7 +466,7 @@ class Engine:
         row.generated.append(token)
         if row.context is not None:
             row.context[0] = np.append(row.context[0], token)
-        if not self._send(request, Token(token)):
+        if not self._send(request, Token(token, scored)):
             self.rows[index] = None
             return
         reason = None

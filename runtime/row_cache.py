@@ -32,6 +32,8 @@ class RowCache:
         # A shift state is read and replaced by one step, so it lives in two buffers that trade roles
         self.spare = {past: self._zeros(past, rows) for past, _ in self.shifted}
         self.fresh = {past: self._zeros(past, 1) for past, _ in self.shifted}  # a new request's state
+        # A prompt's state between its chunks, out of the rows' buffers, which the decode steps between chunks rewrite
+        self.scratch = {past: (self._zeros(past, 1), self._zeros(past, 1)) for past, _ in self.shifted}
 
     def _zeros(self, name: str, rows: int) -> ort.OrtValue:
         """Zeroed, since a slot no request wrote is still read (with weight exactly 0) and 0 * NaN is NaN."""
@@ -62,14 +64,19 @@ class RowCache:
             self.buffers[past], self.spare[past] = self.spare[past], self.buffers[past]
 
     def bind_row(self, binding: ort.IOBinding, row: int, chunk: int, chunks: int) -> None:
-        """Chunk `chunk` of `chunks` of a prompt prefilled into `row` alone. Its shift state starts at zero and
-        goes back and forth between the row's two buffers so that the last chunk leaves it where decode reads."""
+        """Chunk `chunk` of `chunks` of a prompt prefilled into `row` alone, with decode steps of the other rows
+        between chunks. Its shift state starts at zero and goes back and forth between the two scratch buffers; the
+        last chunk writes it into the row where the next decode step reads."""
         for past, present in self.slotted:
             self._bind(binding.bind_input, past, past, self.buffers[past], row, 1)
             self._bind(binding.bind_output, present, past, self.buffers[past], row, 1)
         for past, present in self.shifted:
-            held = (self.buffers[past], self.spare[past], self.fresh[past])
-            buffers.bind_row_state(binding, (past, present), held, self.dtypes[past], self.device, row, chunk, chunks)
+            source = self.fresh[past] if chunk == 0 else self.scratch[past][(chunk - 1) % 2]
+            self._bind(binding.bind_input, past, past, source, 0, 1)
+            if chunk == chunks - 1:
+                self._bind(binding.bind_output, present, past, self.buffers[past], row, 1)
+            else:
+                self._bind(binding.bind_output, present, past, self.scratch[past][chunk % 2], 0, 1)
 
     def gates(self, row: int, begin: int, end: int) -> list[np.ndarray]:
         """Slots [begin, end) of `row`'s gates, `[1, heads, end - begin]` per layer (views on the CPU)."""

@@ -4,9 +4,11 @@ from this process or from replicas on a Ray cluster (`--ray --replicas N`)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from runtime.artifact import ArtifactError
+from runtime.engine import PREFILL_BUDGET
 from runtime.pruning import describe
 
 
@@ -21,6 +23,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model-name", help="the id clients send as `model` (default: the folder's name)")
     parser.add_argument("--provider", choices=("auto", "cuda", "cpu"), default="auto")
     parser.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0: its default)")
+    parser.add_argument(
+        "--api-key", default=os.environ.get("KVG_API_KEY") or None,
+        help="require the header `Authorization: Bearer KEY` on the /v1 routes, else 401 (default: $KVG_API_KEY, "
+        "else no key); /health and /metrics stay open",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-body-bytes", type=int,
+        help="refuse a larger request body with 413 (default: 1 MiB + 64 bytes x max_cache_len x --max-batch)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--prefill-budget", type=int, default=PREFILL_BUDGET,
+        help="prompt tokens prefilled between two decode steps: a new prompt delays the running streams by at most "
+        "one such chunk a step (default: %(default)s)",
+    )  # fmt: skip
     ray = parser.add_argument_group("Ray Serve (pip install 'kvg-export[ray]')")
     ray.add_argument(
         "--ray", action="store_true", help="serve from Ray replicas (RAY_ADDRESS's cluster, else a local one)"
@@ -44,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvg-serve: error: {missing.name} is not installed: pip install 'kvg-export[{extra}]'", file=sys.stderr)
         return 2
     options = ServeOptions(args.artifact, args.max_batch, args.max_queue, args.timeout, args.model_name, args.provider,
-                           args.threads)  # fmt: skip
+                           args.threads, args.api_key, args.max_body_bytes, args.prefill_budget)  # fmt: skip
     try:
         options.check()
         if args.replicas < 1 or args.replica_cpus < 0:

@@ -22,17 +22,21 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sse_starlette import EventSourceResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from runtime.artifact import ArtifactError, SessionOptions, read_manifest
-from runtime.engine import Engine, Failed, Finished, QueueFull, Token, check_servable
+from runtime.engine import PREFILL_BUDGET, Engine, Failed, Finished, Prompt, QueueFull, Token, check_servable
 from runtime.generator import GenerationConfig, Generator
+from runtime.http_guard import HttpGuard, body_limit, error_body
+from runtime.logprobs import MAX_TOP, TokenLogprob
 from runtime.sampling import SamplingConfig
 from runtime.text_stream import TextStream
 
 RETRY_AFTER_S = 1
+LEAST_LOGPROB = -9999.0  # stands for -inf (a token the sampling processors removed), which JSON cannot hold, as in vLLM
 DISCONNECT_POLL_S = 0.1
 TokenIds = list[Annotated[int, Field(ge=0)]]
 
@@ -49,7 +53,7 @@ class CompletionRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     prompt: str | list[str] | TokenIds | list[TokenIds]
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int = Field(16, ge=0)  # 0: the prompt alone, with `echo`
     min_tokens: int = Field(0, ge=0)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -61,8 +65,8 @@ class CompletionRequest(BaseModel):
     stream_options: StreamOptions | None = None
     n: Literal[1] = 1
     best_of: Literal[1] | None = None
-    echo: Literal[False] = False
-    logprobs: None = None
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP)
     presence_penalty: Literal[0] = 0
     frequency_penalty: Literal[0] = 0
     user: str | None = None
@@ -73,10 +77,6 @@ class ApiError(Exception):
                  headers: dict | None = None):  # fmt: skip
         super().__init__(message)
         self.status, self.kind, self.param, self.headers = status, kind, param, headers
-
-
-def error_body(message: str, kind: str, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
 
 
 @dataclass
@@ -100,33 +100,48 @@ class ServerMetrics:
         )  # fmt: skip
 
 
+@dataclass
+class Delta:
+    text: str
+    scored: list[TokenLogprob]  # log-probabilities of the tokens since the last delta (when the request asked)
+    finish_reason: str | None = None
+
+
 class Choice:
     """One prompt of a request, fed by the engine's thread through the event loop."""
 
     def __init__(self, index: int, request: CompletionRequest, state: ServerState, arrived: float):
         self.index, self.state, self.arrived = index, state, arrived
+        self.logprobs, self.echo = request.logprobs, request.echo
         self.events: asyncio.Queue = asyncio.Queue()
         stop = [request.stop] if isinstance(request.stop, str) else request.stop or ()
         self.text = TextStream(state.tokenizer, stop) if state.tokenizer else None
         self.tokens: list[int] = []
         self.prompt_tokens = 0
+        self.prompt_text = ""  # what an echo returns first
+        self.offset = 0  # text_offset of the next token reported with log-probabilities
         self.last_token_at: float | None = None
         self.handle = None
 
-    def submit(self, prompt: list[int], config: GenerationConfig) -> None:
+    def submit(self, prompt: list[int], prompt_text: str, config: GenerationConfig) -> None:
         loop = asyncio.get_running_loop()
-        self.prompt_tokens = len(prompt)
+        self.prompt_tokens, self.prompt_text = len(prompt), prompt_text
         self.handle = self.state.engine.submit(
-            prompt, config, lambda event: loop.call_soon_threadsafe(self.events.put_nowait, event)
-        )
+            prompt, config, lambda event: loop.call_soon_threadsafe(self.events.put_nowait, event),
+            self.logprobs, self.echo,
+        )  # fmt: skip
 
-    async def deltas(self) -> AsyncIterator[tuple[str, str | None]]:
-        """(text, None) as tokens arrive, then ("", finish_reason); raises ApiError if the request fails."""
-        metrics = self.state.metrics
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """Deltas of text as tokens arrive, the last with its finish_reason; raises ApiError if the request fails.
+        A token's log-probability comes with the delta that first carries text after it (a token may complete
+        no character, or its text may be held back while it could begin a stop string)."""
+        metrics, scored = self.state.metrics, []
         while True:
             event = await self.events.get()
             now = time.perf_counter()
-            if isinstance(event, Token):
+            if isinstance(event, Prompt):
+                yield Delta(self.prompt_text, event.logprobs or [])
+            elif isinstance(event, Token):
                 self.tokens.append(event.token)
                 metrics.generated_tokens.inc()
                 if self.last_token_at is None:
@@ -134,16 +149,18 @@ class Choice:
                 else:
                     metrics.time_per_token.observe(now - self.last_token_at)
                 self.last_token_at = now
+                scored += [event.logprob] if event.logprob else []
                 text = self.text.push(event.token) if self.text else ""
                 if self.text and self.text.stopped:
                     self.handle.cancel()
-                    yield text, "stop"
+                    yield Delta(text, scored, "stop")
                     return
-                if text:
-                    yield text, None
+                if text or (scored and not self.text):
+                    yield Delta(text, scored)
+                    scored = []
             elif isinstance(event, Finished):
                 text = self.text.flush() if self.text else ""
-                yield text, "stop" if self.text and self.text.stopped else event.reason
+                yield Delta(text, scored, "stop" if self.text and self.text.stopped else event.reason)
                 return
             elif isinstance(event, Failed):
                 raise ApiError(503, event.message, "server_error")
@@ -151,6 +168,43 @@ class Choice:
     def cancel(self) -> None:
         if self.handle is not None:
             self.handle.cancel()
+
+    def logprobs_of(self, scored: list[TokenLogprob]) -> dict | None:
+        """OpenAI's legacy `logprobs` object for these tokens, their offsets counted on from the last call's; None
+        when the request did not ask for log-probabilities."""
+        if self.logprobs is None:
+            return None
+        ids = sorted({entry.token for entry in scored} | {token for entry in scored for token, _ in entry.top})
+        names = dict(zip(ids, _token_texts(self.state.tokenizer, ids), strict=True))
+        offsets = []
+        for entry in scored:
+            offsets.append(self.offset)
+            self.offset += len(names[entry.token])
+        return {
+            "tokens": [names[entry.token] for entry in scored],
+            "token_logprobs": [None if entry.logprob is None else _finite(entry.logprob) for entry in scored],
+            "top_logprobs": [None if entry.logprob is None else _top(entry, names) for entry in scored],
+            "text_offset": offsets,
+        }
+
+
+def _token_texts(tokenizer, ids: list[int]) -> list[str]:
+    """Each token's own text (as vLLM's `tokens`); `token_id:N` without a tokenizer (its return_tokens_as_token_ids)."""
+    if tokenizer is None:
+        return [f"token_id:{token}" for token in ids]
+    return tokenizer.decode_batch([[token] for token in ids], skip_special_tokens=False)
+
+
+def _top(entry: TokenLogprob, names: dict[int, str]) -> dict[str, float]:
+    """Token text to log-probability, most likely first; of two tokens with the same text, the likelier one's."""
+    top: dict[str, float] = {}
+    for token, logprob in entry.top:
+        top.setdefault(names[token], _finite(logprob))
+    return top
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, LEAST_LOGPROB)
 
 
 @dataclass
@@ -164,16 +218,25 @@ class ServerState:
         return self.engine.generator.tokenizer
 
 
-def _prompts(request: CompletionRequest, state: ServerState) -> list[list[int]]:
-    prompt = request.prompt
+def _parse(body: bytes) -> CompletionRequest:
+    try:
+        return CompletionRequest.model_validate_json(body)
+    except ValidationError as error:
+        raise RequestValidationError(error.errors()) from None
+
+
+def _prompts(request: CompletionRequest, state: ServerState) -> tuple[list[list[int]], list[str]]:
+    """Each prompt's token ids, and its text where an echo returns it ("" otherwise)."""
+    prompt, tokenizer = request.prompt, state.tokenizer
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], str)):
         texts = [prompt] if isinstance(prompt, str) else prompt
-        if state.tokenizer is None:
+        if tokenizer is None:
             raise ApiError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
-        return [state.tokenizer.encode(text, add_special_tokens=False).ids for text in texts]
-    if not prompt or isinstance(prompt[0], int):
-        return [prompt]
-    return prompt
+        return [tokenizer.encode(text, add_special_tokens=False).ids for text in texts], texts
+    ids = [prompt] if not prompt or isinstance(prompt[0], int) else prompt
+    if not request.echo or tokenizer is None:
+        return ids, [""] * len(ids)
+    return ids, tokenizer.decode_batch(ids, skip_special_tokens=False)
 
 
 def _config(request: CompletionRequest) -> GenerationConfig:
@@ -182,10 +245,16 @@ def _config(request: CompletionRequest) -> GenerationConfig:
     )
     if request.min_tokens > request.max_tokens:
         raise ApiError(400, "min_tokens must not exceed max_tokens", param="min_tokens")
+    if request.max_tokens == 0 and not request.echo:
+        raise ApiError(400, "max_tokens 0 returns nothing without echo: ask for tokens, or echo", param="max_tokens")
     return GenerationConfig(request.max_tokens, request.min_tokens, sampling=sampling)
 
 
-def create_app(engine: Engine, model_name: str) -> FastAPI:
+def create_app(
+    engine: Engine, model_name: str, api_key: str | None = None, max_body_bytes: int | None = None
+) -> FastAPI:
+    """`api_key`: what the /v1 routes require as a bearer token (None: nothing); `max_body_bytes`: the cap on
+    a request's body (None: `body_limit` of the artifact's max_cache_len and the engine's rows)."""
     state = ServerState(engine, model_name)
 
     @asynccontextmanager
@@ -195,6 +264,8 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
 
     app = FastAPI(title="kvg-serve", lifespan=lifespan)
     app.state.kvg = state
+    limit = body_limit(engine.cache.length, engine.cache.rows) if max_body_bytes is None else max_body_bytes
+    app.add_middleware(HttpGuard, api_key=api_key, max_body_bytes=limit)
     metrics = state.metrics
     metrics.queue_depth.set_function(lambda: engine.queue_depth)
     metrics.batch_occupancy.set_function(lambda: engine.busy_rows / engine.cache.rows)
@@ -236,18 +307,21 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/completions")
-    async def completions(request: CompletionRequest, http: Request):
+    async def completions(http: Request):
         arrived = time.perf_counter()
+        # Parsing and tokenizing take a thread of their own, so that a large body never stalls the event loop
+        request = await run_in_threadpool(_parse, await http.body())
         if request.model is not None and request.model != model_name:
             raise ApiError(404, f"model {request.model!r} is not served here; GET /v1/models lists {model_name!r}",
                            param="model")  # fmt: skip
-        prompts, config = _prompts(request, state), _config(request)
+        config = _config(request)
+        prompts, texts = await run_in_threadpool(_prompts, request, state)
         choices = [Choice(i, request, state, arrived) for i in range(len(prompts))]
         try:
             for prompt in prompts:  # all checked before any is queued: a request with a bad prompt queues nothing
                 state.engine.check(prompt, config)
-            for choice, prompt in zip(choices, prompts, strict=True):
-                choice.submit(prompt, config)
+            for choice, prompt, text in zip(choices, prompts, texts, strict=True):
+                choice.submit(prompt, text, config)
         except QueueFull as full:
             for choice in choices:
                 choice.cancel()
@@ -278,7 +352,8 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
             return Response(status_code=499)
         results = collected.result()
         metrics.requests.labels(outcome="completed").inc()
-        return {**head, "choices": results, "usage": _usage(choices)}
+        body = await run_in_threadpool(_json, {**head, "choices": results, "usage": _usage(choices)})
+        return Response(body, media_type="application/json")
 
     return app
 
@@ -294,19 +369,21 @@ def _usage(choices: list[Choice]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _choice(index: int, text: str, finish_reason: str | None, tokens: list[int] | None = None) -> dict:
-    choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+def _choice(choice: Choice, delta: Delta, tokens: list[int] | None = None) -> dict:
+    answer = {"index": choice.index, "text": delta.text, "logprobs": choice.logprobs_of(delta.scored),
+              "finish_reason": delta.finish_reason}  # fmt: skip
     if tokens is not None:
-        choice["token_ids"] = tokens  # an extension, as vLLM's: the tokens generated
-    return choice
+        answer["token_ids"] = tokens  # an extension, as vLLM's: the tokens generated
+    return answer
 
 
 async def _collect(choice: Choice) -> dict:
-    pieces, finish_reason = [], None
-    async for text, reason in choice.deltas():
-        pieces.append(text)
-        finish_reason = reason
-    return _choice(choice.index, "".join(pieces), finish_reason, choice.tokens)
+    pieces, scored, finish_reason = [], [], None
+    async for delta in choice.deltas():
+        pieces.append(delta.text)
+        scored += delta.scored
+        finish_reason = delta.finish_reason
+    return _choice(choice, Delta("".join(pieces), scored, finish_reason), choice.tokens)
 
 
 async def _stream(head: dict, choices: list[Choice], include_usage: bool, metrics: ServerMetrics):
@@ -316,8 +393,8 @@ async def _stream(head: dict, choices: list[Choice], include_usage: bool, metric
 
     async def pump(choice: Choice) -> None:
         try:
-            async for text, reason in choice.deltas():
-                await merged.put(_choice(choice.index, text, reason, choice.tokens if reason else None))
+            async for delta in choice.deltas():
+                await merged.put(_choice(choice, delta, choice.tokens if delta.finish_reason else None))
         except ApiError as error:
             await merged.put(error)
         await merged.put(None)
@@ -359,6 +436,9 @@ class ServeOptions:
     model_name: str | None = None  # the id clients send as `model`; by default the artifact folder's name
     provider: str = "auto"
     threads: int = 0
+    api_key: str | None = field(default=None, repr=False)  # None: the /v1 routes are open; kept out of logs
+    max_body_bytes: int | None = None  # None: http_guard.body_limit(max_cache_len, max_batch)
+    prefill_budget: int = PREFILL_BUDGET  # prompt tokens prefilled between two decode steps
 
     @property
     def name(self) -> str:
@@ -368,10 +448,15 @@ class ServeOptions:
         """Refuse what cannot be served before any model is loaded (or any replica started)."""
         if self.timeout_s <= 0 or self.max_queue < 0:
             raise ArtifactError("--timeout must be > 0 and --max-queue >= 0")
+        if self.api_key == "" or (self.max_body_bytes is not None and self.max_body_bytes < 1):
+            raise ArtifactError("--api-key must not be empty and --max-body-bytes must be >= 1")
+        if self.prefill_budget < 1:
+            raise ArtifactError("--prefill-budget must be >= 1 (prompt tokens prefilled between two decode steps)")
         folder = Path(self.artifact)
         check_servable(folder, read_manifest(folder), self.max_batch)
 
 
 def open_app(options: ServeOptions) -> FastAPI:
     generator = Generator.open(options.artifact, SessionOptions(options.provider, options.threads))
-    return create_app(Engine(generator, options.max_batch, options.max_queue, options.timeout_s), options.name)
+    engine = Engine(generator, options.max_batch, options.max_queue, options.timeout_s, options.prefill_budget)
+    return create_app(engine, options.name, options.api_key, options.max_body_bytes)

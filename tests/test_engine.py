@@ -1,5 +1,6 @@
 """Continuous batching: requests that join and leave a running batch get the tokens they get alone."""
 
+import itertools
 import random
 import threading
 import time
@@ -7,9 +8,10 @@ import time
 import numpy as np
 import pytest
 
+from runtime import engine as engine_module
 from runtime.artifact import ArtifactError, SessionOptions
 from runtime.engine import Engine, Failed, Finished, QueueFull, Token
-from runtime.generator import GenerationConfig, Generator
+from runtime.generator import GenerationConfig, Generator, bind_chunk
 from runtime.row_cache import RowCache
 from runtime.sampling import SamplingConfig
 
@@ -145,6 +147,44 @@ def test_a_row_is_freed_once_its_request_ends_and_taken_by_the_next(exported):
     engine.close()
 
 
+@pytest.mark.parametrize("preset", ["fox-tiny", "fox-pro-tiny"])  # fox-pro-tiny: shift states between chunks
+def test_a_long_prompt_is_prefilled_a_chunk_between_two_decode_steps(exported, monkeypatch, preset):
+    """While a 42-token prompt is prefilled in chunks of 8 (the budget), the running requests get a token
+    between every two chunks; everyone's tokens are still those they get alone."""
+    generator = Generator.open(exported(preset, "static")[0].path, CPU)
+    engine, got, order = Engine(generator, 4, prefill_budget=8), Collector(3), []
+    fill = Engine._fill
+    monkeypatch.setattr(
+        Engine,
+        "_fill",
+        lambda self: order.append("chunk" if self.filling.request.prompt == long_prompt else "") or fill(self),
+    )
+    long_prompt = [3 + (7 * i) % 400 for i in range(42)]
+    config = GenerationConfig(max_new_tokens=30, min_new_tokens=30)
+
+    def running(index):
+        record = got.emit(index)
+
+        def on_event(event):
+            if isinstance(event, Token) and len(got.tokens[index]) == 4 and index == 0:
+                engine.submit(long_prompt, config, got.emit(2))  # arrives while both run
+            order.append(index if isinstance(event, Token) else "end")
+            record(event)
+
+        return on_event
+
+    engine.submit([5, 6, 7], config, running(0))
+    engine.submit([8, 9], config, running(1))
+    got.wait(3)
+    engine.close()
+    chunks = [i for i, item in enumerate(order) if item == "chunk"]
+    assert len(chunks) == 6  # ceil(42 / 8)
+    for before, after in itertools.pairwise(chunks):
+        assert sorted(order[before + 1 : after]) == [0, 1]  # one decode step: a token for each running request
+    for index, prompt in enumerate([[5, 6, 7], [8, 9], long_prompt]):
+        assert got.tokens[index] == generator.generate([prompt], config).tokens[0]
+
+
 def test_a_full_queue_is_refused_and_the_queued_requests_still_run(exported):
     generator = Generator.open(exported("fox-tiny", "static")[0].path, CPU)
     engine, got = Engine(generator, 1, max_queue=1), Collector(2)
@@ -171,14 +211,14 @@ def test_a_failing_request_or_consumer_leaves_the_others_running(exported, monke
     """A consumer that raises cancels its own request; a prefill onnxruntime refuses fails its own request."""
     generator = Generator.open(exported("fox-tiny", "static")[0].path, CPU)
     engine, got = Engine(generator, 4), Collector(3)
-    prefill, poisoned = Engine._prefill, 13
+    poisoned = 13
 
-    def refuse_poisoned(self, row, request, begin):
-        if poisoned in request.prompt:
+    def refuse_poisoned(binding, artifact, ids, *rest):
+        if poisoned in ids:
             raise RuntimeError("onnxruntime refused the input")
-        return prefill(self, row, request, begin)
+        return bind_chunk(binding, artifact, ids, *rest)
 
-    monkeypatch.setattr(Engine, "_prefill", refuse_poisoned)
+    monkeypatch.setattr(engine_module, "bind_chunk", refuse_poisoned)
     config = GenerationConfig(max_new_tokens=20, min_new_tokens=20)
 
     def broken(event):

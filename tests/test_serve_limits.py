@@ -1,0 +1,156 @@
+"""kvg-serve's limits and key, as vLLM's server has them: the /v1 routes need the API key when one is set,
+and a body over the size limit is a 413 before it is parsed, while the server keeps answering."""
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from starlette.testclient import TestClient
+from test_serve import CPU, MODEL, client, serving
+
+from runtime import serve_cli
+from runtime.artifact import ArtifactError
+from runtime.generator import Generator
+from runtime.server import ServeOptions
+
+KEY = "sk-kvg-test"
+SMALL = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
+
+
+def bearer(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@pytest.fixture(scope="module")
+def generator(exported):
+    return Generator.open(exported("fox-tiny", "static")[0].path, CPU)
+
+
+@pytest.fixture(scope="module")
+def guarded(generator):
+    """A server with a key and the default body limit."""
+    with serving(generator, api_key=KEY) as running:
+        yield running
+
+
+def chunks(body: bytes, size: int = 1 << 16):
+    """The body as httpx sends a generator: chunked, with no Content-Length."""
+    for start in range(0, len(body), size):
+        yield body[start : start + size]
+
+
+@pytest.mark.parametrize("headers", [{}, bearer("sk-other"), {"Authorization": f"Basic {KEY}"}, {"Authorization": KEY}])
+@pytest.mark.parametrize("route", ["GET /v1/models", "POST /v1/completions"])
+def test_a_v1_route_without_the_key_is_a_401_with_an_openai_error_body(guarded, headers, route):
+    url, _engine = guarded
+    method, path = route.split()
+    answer = httpx.request(method, f"{url}{path}", json=SMALL, headers=headers)
+    assert answer.status_code == 401 and answer.headers["www-authenticate"] == "Bearer"
+    error = answer.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] is None and error["code"] is None
+    assert ("needs an API key" if not headers else "not this server's") in error["message"]
+
+
+def test_with_the_key_the_openai_client_and_raw_requests_are_served(guarded):
+    url, _engine = guarded
+    keyed = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    answer = keyed.completions.create(model=MODEL, **SMALL)
+    assert [model.id for model in keyed.models.list().data] == [MODEL]
+    raw = httpx.post(f"{url}/v1/completions", json=SMALL, headers=bearer(KEY))
+    assert raw.status_code == 200
+    assert raw.json()["choices"][0]["token_ids"] == answer.choices[0].model_extra["token_ids"]
+    with pytest.raises(openai.AuthenticationError):
+        client(url).completions.create(model=MODEL, **SMALL)  # test_serve's client sends another key
+
+
+def test_health_and_metrics_stay_open_without_the_key(guarded):
+    url, _engine = guarded
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+    assert "kvg_requests" in httpx.get(f"{url}/metrics").text
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_20_mb_body_is_a_413_within_a_second_while_health_answers_within_a_second(guarded, chunked):
+    url, _engine = guarded
+    body = b" " * 20_000_000
+    probes, done = [], threading.Event()
+
+    def probe() -> None:
+        while not done.is_set():
+            start = time.monotonic()
+            status = httpx.get(f"{url}/health", timeout=10).status_code
+            probes.append((status, time.monotonic() - start))
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    try:
+        start = time.monotonic()
+        answer = httpx.post(f"{url}/v1/completions", content=chunks(body) if chunked else body, headers=bearer(KEY))
+        took = time.monotonic() - start
+    finally:
+        done.set()
+        prober.join(30)
+    assert answer.status_code == 413 and took < 1, (answer.status_code, took)
+    assert answer.json()["error"]["type"] == "invalid_request_error"
+    assert probes and all(status == 200 and seconds < 1 for status, seconds in probes), probes
+
+
+def test_a_declared_length_over_the_limit_is_a_413_before_any_of_the_body_is_sent(guarded):
+    url = httpx.URL(guarded[0])
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: kvg\r\nAuthorization: Bearer {KEY}\r\nContent-Length: 20000000\r\n"
+    with socket.create_connection((url.host, url.port), timeout=1) as sock:
+        sock.sendall(f"{head}\r\n".encode())
+        assert sock.recv(1 << 16).startswith(b"HTTP/1.1 413 ")
+
+
+def test_the_default_limit_passes_a_batch_of_prompts_as_long_as_the_cache(guarded):
+    url, engine = guarded
+    prompts = [[999_999] * engine.cache.length] * engine.cache.rows  # ids as long as a million-token vocabulary's
+    answer = httpx.post(f"{url}/v1/completions", json={"prompt": prompts}, headers=bearer(KEY))
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "prompt"  # read and judged, not refused
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_body_at_the_limit_is_parsed_and_one_byte_more_is_a_413(generator, chunked):
+    limit = 4096
+    with serving(generator, max_body_bytes=limit) as (url, _engine):
+        expected = httpx.post(f"{url}/v1/completions", json=SMALL).json()["choices"][0]["token_ids"]
+        padded = json.dumps(SMALL).encode().ljust(limit)  # JSON allows the trailing spaces
+        for body, status in [(padded, 200), (padded + b" ", 413)]:
+            answer = httpx.post(f"{url}/v1/completions", content=chunks(body, 1000) if chunked else body)
+            assert answer.status_code == status, answer.text
+        assert httpx.post(f"{url}/v1/completions", content=padded).json()["choices"][0]["token_ids"] == expected
+
+
+@pytest.mark.parametrize("environment", [None, "sk-from-env"])
+def test_kvg_serve_takes_the_key_from_its_flag_else_from_kvg_api_key(generator, monkeypatch, environment):
+    served = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **_: served.append(app))
+    if environment is None:
+        monkeypatch.delenv("KVG_API_KEY", raising=False)
+    else:
+        monkeypatch.setenv("KVG_API_KEY", environment)
+    folder = str(generator.artifact.folder)
+    for flags, key in [((), environment), (("--api-key", "sk-from-flag"), "sk-from-flag")]:
+        assert serve_cli.main([folder, "--provider", "cpu", "--max-body-bytes", "4096", *flags]) == 0
+        with TestClient(served.pop()) as http:
+            assert http.get("/v1/models").status_code == (200 if key is None else 401)
+            keyed = {} if key is None else bearer(key)
+            assert http.get("/v1/models", headers=keyed).status_code == 200
+            assert http.post("/v1/completions", content=b" " * 4097, headers=keyed).status_code == 413
+
+
+def test_serve_options_keep_the_key_out_of_their_repr(generator):
+    assert KEY not in repr(ServeOptions(str(generator.artifact.folder), api_key=KEY))
+
+
+def test_an_empty_key_or_a_limit_below_one_byte_is_refused(generator):
+    folder = str(generator.artifact.folder)
+    for options in [ServeOptions(folder, api_key=""), ServeOptions(folder, max_body_bytes=0)]:
+        with pytest.raises(ArtifactError, match="--api-key must not be empty and --max-body-bytes must be >= 1"):
+            options.check()
