@@ -22,6 +22,12 @@ EXPORT = $(VENV)/bin/kvg-export "$(MODEL)" --out "$(OUT)" --cache $(CACHE) --dty
 # `make serve [MODEL=...] [SERVE_FLAGS="--port 8000 --max-batch 8"]`: kvg-serve over the model's static artifact
 # (exported first if missing; continuous batching needs the static cache's rows)
 SERVE_FLAGS ?=
+# `make lm-eval [MODEL=...] [TASKS=kvg_stdlib] [BACKEND=server|hf|both] [LM_EVAL_FLAGS="--limit 10"]`:
+# lm-evaluation-harness against kvg-serve on the model's static artifact (exported first if missing), against
+# eager PyTorch on the model (hf), or both
+TASKS ?= kvg_stdlib
+BACKEND ?= server
+LM_EVAL_FLAGS ?=
 # `make train PRESET=fox-py [TRAIN_FLAGS="--publish"]` trains a trained preset from nothing, or resumes its run
 PRESET ?= fox-py
 TRAIN_FLAGS ?=
@@ -32,7 +38,7 @@ EVAL_FLAGS ?=
 GPU_PYTHON ?= python3
 GPU_CHECK_FLAGS ?=
 
-.PHONY: setup test lint format clean export generate serve serve-static train eval gpu-bundle gpu-check bench bench-long bench-serve profile
+.PHONY: setup test lint format clean export generate serve serve-static lm-eval lm-eval-static train eval gpu-bundle gpu-check bench bench-long bench-serve profile
 
 setup: $(STAMP)
 
@@ -40,7 +46,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[export,dev,bench,serve,ray]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[export,dev,bench,serve,ray,lm-eval]"
 	touch $@
 
 test: setup
@@ -60,6 +66,12 @@ serve:
 
 serve-static: setup $(OUT)/kvg_config.json
 	$(VENV)/bin/kvg-serve "$(OUT)" $(SERVE_FLAGS)
+
+lm-eval:
+	$(MAKE) --no-print-directory lm-eval-static CACHE=static
+
+lm-eval-static: setup $(OUT)/kvg_config.json
+	$(VENV)/bin/kvg-lm-eval "$(OUT)" --model "$(MODEL)" --tasks "$(TASKS)" --backend $(BACKEND) $(LM_EVAL_FLAGS)
 
 train: setup
 	$(VENV)/bin/kvg-train "$(PRESET)" $(TRAIN_FLAGS)
