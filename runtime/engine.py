@@ -2,9 +2,10 @@
 
 A request waits in a bounded queue until a row is free and its tokens fit in the cache, is prefilled into
 that row alone (on the shared slot clock, see RowCache), a chunk of at most `prefill_budget` tokens between two
-decode steps of the others, and then joins the decode steps, which run every occupied row at once. A row that finishes, is cancelled or runs past its deadline is freed before the next
-step, so nobody waits for the longest request. Each request samples with its own Sampler, so its tokens
-are those it gets alone.
+decode steps of the others, from the longest prefix of a recent prompt that it shares (see PrefixCache), and
+then joins the decode steps, which run every occupied row at once. A row that finishes, is cancelled or runs
+past its deadline is freed before the next step, so nobody waits for the longest request. Each request samples
+with its own Sampler, so its tokens are those it gets alone.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from runtime.artifact import ArtifactError
 from runtime.device_cache import PRUNE_EVERY
 from runtime.generator import GenerationConfig, Generator, bind_chunk, chunk_size, chunk_spans
 from runtime.logprobs import TokenLogprob, chosen_logprob, prompt_logprobs
+from runtime.prefix_cache import Block, PrefixCache
 from runtime.pruning import PruningError, needed_slots
 from runtime.row_cache import RowCache
 from runtime.sampling import Sampler
@@ -103,6 +105,7 @@ class _Filling:
     end: int  # the slot after the prompt's last: where the clock is once the last chunk is in
     spans: list[tuple[int, int]]  # the chunks' [begin, end) in the prompt
     scores: list[TokenLogprob]  # the prompt's log-probabilities so far, where the request echoes them
+    resumed: int = 0  # the prompt's tokens a cached prefix supplied, before the first chunk
     done: int = 0  # chunks prefilled
 
 
@@ -130,16 +133,18 @@ class Engine:
 
     def __init__(
         self, generator: Generator, max_batch: int, max_queue: int = 64, timeout_s: float | None = None,
-        prefill_budget: int = PREFILL_BUDGET,
+        prefill_budget: int = PREFILL_BUDGET, prefix_cache_bytes: int = 0,
     ):  # fmt: skip
         """`prefill_budget`: prompt tokens prefilled between two decode steps (a waiting request's prompt is
-        prefilled in chunks of at most that many, so the running rows wait at most one chunk a step)."""
+        prefilled in chunks of at most that many, so the running rows wait at most one chunk a step);
+        `prefix_cache_bytes`: the memory recent prompts' prefixes may keep (0: none; runtime/prefix_cache.py)."""
         check_servable(generator.artifact.folder, generator.artifact.manifest, max_batch)
         if prefill_budget < 1:
             raise ArtifactError(f"the prefill budget must be at least 1 token a step, got {prefill_budget}")
         self.generator, self.max_queue, self.timeout_s = generator, max_queue, timeout_s
         self.prefill_budget = prefill_budget
         self.filling: _Filling | None = None
+        self.prefixes = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         self._prefill_binding = generator.artifact.session.io_binding()
         self.cache = RowCache(generator.artifact, max_batch)
         self.rows: list[_Row | None] = [None] * max_batch
@@ -227,6 +232,9 @@ class Engine:
                 if self.filling is not None:
                     self._fill()
             except Exception as error:  # a fault of the engine's own: the running requests fail, the loop goes on
+                if self.filling is not None:
+                    filling, self.filling = self.filling, None
+                    self._send(filling.request, Failed(f"internal error: {error!r}"))
                 self._fail_running(f"internal error: {error!r}")
 
     def _fail_running(self, message: str) -> None:
@@ -264,13 +272,27 @@ class Engine:
         row = next((i for i, held in enumerate(self.rows) if held is None and i != self._filling_row), None)
         if self.filling is not None or row is None or (request := self._next_waiting()) is None:
             return
-        spans = chunk_spans(len(request.prompt), self._chunk(request.config))
-        end = self._place(len(request.prompt), _feeds(request.config), len(spans))
+        prompt = request.prompt
+        blocks = self._cached_prefix(request)
+        resumed = blocks[-1].end if blocks else 0
+        spans = [(resumed + b, resumed + e) for b, e in chunk_spans(len(prompt) - resumed, self._chunk(request.config))]
+        end = self._place(len(prompt), _feeds(request.config), len(spans))
         if end is None:
             return  # it fits once running rows end: it stays first in the queue
         with self._wake:
             self.waiting.popleft()
-        self.filling = _Filling(request, row, end, spans, [TokenLogprob(request.prompt[0], None)])
+        self.filling = _Filling(request, row, end, spans, [TokenLogprob(prompt[0], None)], resumed)
+        for block in blocks:  # into slots the clock has passed, as `_place` leaves them
+            self.cache.write_block(row, end - len(prompt) + block.begin, block.slots)
+        if blocks:
+            self.cache.resume(blocks[-1].states)
+
+    def _cached_prefix(self, request: Request) -> list[Block]:
+        """The cached blocks a request's prefill may start from: none for a request that scores its prompt (every
+        position's logits are needed), and at least its last token is prefilled (for the first new one's logits)."""
+        if self.prefixes is None or (request.echo and request.logprobs is not None):
+            return []
+        return self.prefixes.longest(request.prompt, len(request.prompt) - 1)
 
     def _chunk(self, config: GenerationConfig) -> int:
         """Prompt tokens a prefill run takes: the budget between two decode steps, or fewer (see chunk_size)."""
@@ -326,12 +348,17 @@ class Engine:
         ids = np.array([prompt[start:end]], dtype=np.int64)
         try:
             bind_chunk(binding, self.generator.artifact, ids, mask, begin + start, self.cache.device, not scoring)
-            self.cache.bind_row(binding, filling.row, filling.done, len(filling.spans))
+            self.cache.bind_row(binding, filling.row, filling.done, len(filling.spans), filling.resumed > 0)
             session.run_with_iobinding(binding)
         except Exception as error:  # onnxruntime refused this request: it fails, the engine goes on
             self.filling = None
             self._send(request, Failed(f"prefill failed: {error}"))
             return
+        if self.prefixes is not None and end - start == self._chunk(config):  # a whole chunk: where others resume
+            slots, states = self.cache.read_block(
+                filling.row, begin + start, begin + end, filling.done, len(filling.spans)
+            )
+            self.prefixes.add(prompt, Block(end, start, slots, states))
         if scoring:
             chunk = binding.get_outputs()[0].numpy()[0]
             filling.scores += prompt_logprobs(chunk, prompt, start, config.sampling, request.logprobs)

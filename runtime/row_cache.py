@@ -63,20 +63,48 @@ class RowCache:
         for past, _ in self.shifted:
             self.buffers[past], self.spare[past] = self.spare[past], self.buffers[past]
 
-    def bind_row(self, binding: ort.IOBinding, row: int, chunk: int, chunks: int) -> None:
+    def bind_row(self, binding: ort.IOBinding, row: int, chunk: int, chunks: int, resumed: bool = False) -> None:
         """Chunk `chunk` of `chunks` of a prompt prefilled into `row` alone, with decode steps of the other rows
-        between chunks. Its shift state starts at zero and goes back and forth between the two scratch buffers; the
-        last chunk writes it into the row where the next decode step reads."""
+        between chunks. Its shift state starts at zero (or, `resumed`, where `resume` put it) and goes back and forth
+        between the two scratch buffers; the last chunk writes it into the row where the next decode step reads."""
         for past, present in self.slotted:
             self._bind(binding.bind_input, past, past, self.buffers[past], row, 1)
             self._bind(binding.bind_output, present, past, self.buffers[past], row, 1)
         for past, present in self.shifted:
-            source = self.fresh[past] if chunk == 0 else self.scratch[past][(chunk - 1) % 2]
+            source = self.fresh[past] if chunk == 0 and not resumed else self.scratch[past][(chunk - 1) % 2]
             self._bind(binding.bind_input, past, past, source, 0, 1)
-            if chunk == chunks - 1:
-                self._bind(binding.bind_output, present, past, self.buffers[past], row, 1)
-            else:
-                self._bind(binding.bind_output, present, past, self.scratch[past][chunk % 2], 0, 1)
+            self._bind(binding.bind_output, present, past, *self._state_after(past, row, chunk, chunks), 1)
+
+    def _state_after(self, past: str, row: int, chunk: int, chunks: int) -> tuple[ort.OrtValue, int]:
+        """Where chunk `chunk` of `chunks` writes the shift state: (buffer, row)."""
+        return (self.buffers[past], row) if chunk == chunks - 1 else (self.scratch[past][chunk % 2], 0)
+
+    def read_block(self, row: int, begin: int, end: int, chunk: int, chunks: int) -> tuple[dict, dict]:
+        """Copies of what chunk `chunk` of `chunks` of a prompt left: the row's slots [begin, end) of every key,
+        value and gate tensor, and its shift states (see runtime/prefix_cache.py)."""
+        slots = {
+            past: buffers.to_host(self.buffers[past], self.dtypes[past])[row, :, begin:end].copy()
+            for past, _ in self.slotted
+        }
+        states = {}
+        for past, _ in self.shifted:
+            value, index = self._state_after(past, row, chunk, chunks)
+            states[past] = buffers.to_host(value, self.dtypes[past])[index].copy()
+        return slots, states
+
+    def write_block(self, row: int, begin: int, slots: dict[str, np.ndarray]) -> None:
+        """Put a block's slots back into the row from slot `begin` on."""
+        for past, values in slots.items():
+            held = buffers.to_host(self.buffers[past], self.dtypes[past])
+            held[row, :, begin : begin + values.shape[1]] = values
+            buffers.write_back(self.buffers[past], held, self.dtypes[past], self.device)
+
+    def resume(self, states: dict[str, np.ndarray]) -> None:
+        """Make `states` the shift states a resumed prompt's first chunk reads (see `bind_row`)."""
+        for past, state in states.items():
+            held = buffers.to_host(self.scratch[past][1], self.dtypes[past])
+            held[0] = state
+            buffers.write_back(self.scratch[past][1], held, self.dtypes[past], self.device)
 
     def gates(self, row: int, begin: int, end: int) -> list[np.ndarray]:
         """Slots [begin, end) of `row`'s gates, `[1, heads, end - begin]` per layer (views on the CPU)."""
