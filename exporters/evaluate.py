@@ -211,17 +211,7 @@ def _documents(split: str, text_paths: list[Path] | None) -> tuple[list[Document
         corpus = describe({split: documents})
         return documents, {"source": corpus["source"], "python": corpus["python"], "split": split,
                            **corpus["splits"][split]}  # fmt: skip
-    files = []
-    for path in text_paths:
-        if path.is_dir():
-            files += sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
-        elif path.is_file():
-            files.append(path)
-        else:
-            raise EvalError(f"text path {path} does not exist")
-    if not files:
-        names = ", ".join(str(p) for p in text_paths)
-        raise EvalError(f"no text to evaluate: {names} holds no files ending in {', '.join(TEXT_SUFFIXES)}")
+    files = check_text_paths(text_paths)
     documents = [Document(str(p), p.read_bytes().decode("utf-8", errors="replace")) for p in files]
     return documents, {
         "source": "files",
@@ -232,7 +222,23 @@ def _documents(split: str, text_paths: list[Path] | None) -> tuple[list[Document
     }
 
 
-def _tokenizer(checkpoint: Path, vocab_size: int) -> Tokenizer:
+def check_text_paths(text_paths: list[Path] | None) -> list[Path]:
+    """The text files `text_paths` (files, or folders searched for them) name; None: the corpus's, none to check."""
+    files = []
+    for path in text_paths or ():
+        if path.is_dir():
+            files += sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise EvalError(f"text path {path} does not exist")
+    if text_paths is not None and not files:
+        names = ", ".join(str(p) for p in text_paths)
+        raise EvalError(f"no text to evaluate: {names} holds no files ending in {', '.join(TEXT_SUFFIXES)}")
+    return files
+
+
+def check_tokenizer(checkpoint: Path, vocab_size: int) -> Tokenizer:
     path = checkpoint / "tokenizer.json"
     if not path.is_file():
         raise EvalError(f"{checkpoint} has no tokenizer.json: the text cannot be tokenized for this model")
@@ -296,7 +302,7 @@ def evaluate(
         raise EvalError(str(error)) from None
     eager_model = load_model(checkpoint)
     config = eager_model.config
-    tokenizer = _tokenizer(checkpoint, config.vocab_size)
+    tokenizer = check_tokenizer(checkpoint, config.vocab_size)
     generator = None
     if artifact is not None:
         generator = _open_artifact(artifact, checkpoint, config.vocab_size, session_options or SessionOptions())

@@ -24,6 +24,7 @@ from exporters.contract import cache_layout
 from exporters.evaluate import EvalError, Evaluation, Thresholds, evaluate
 from exporters.manifest import MANIFEST_NAME, build_manifest, check_graph_matches, source_digest
 from exporters.onnx_export import DEFAULT_OPSET, DYNAMIC_MAX_POSITIONS, export_program, lower_to_onnx
+from exporters.preflight import PreflightError, preflight
 from exporters.quantize import Quantization, QuantizationError, quantize_graph
 from exporters.validate import MIN_STATIC_LENGTH, ValidationReport, validate_export
 from kvg_export.folders import publish, staging_folder
@@ -252,11 +253,17 @@ def export_artifact(options: ExportOptions, log: Callable[[str], None] = print) 
     if options.provider == "cuda" and not _cuda_usable():
         raise ExportError(_NO_CUDA)
     try:
+        checkpoint = resolve_checkpoint(options.model)
+        quantized = options.quantization is not None
+        preflight(checkpoint, options.out, options.dtype, quantized, options.quality.text_paths)
+    except (ValueError, FileNotFoundError, PreflightError) as error:
+        raise ExportError(str(error)) from None
+    try:
         staging = staging_folder(options.out)
     except OSError as error:
         raise ExportError(f"cannot write to {options.out.parent}: {error.strerror or error}") from None
     try:
-        result = _build(options, staging, log)
+        result = _build(options, checkpoint, staging, log)
         publish(staging, options.out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -272,11 +279,7 @@ def _stage(log: Callable[[str], None], name: str, work: Callable, describe: Call
     return value
 
 
-def _build(options: ExportOptions, staging: Path, log: Callable[[str], None]) -> ExportResult:
-    try:
-        checkpoint = resolve_checkpoint(options.model)
-    except (ValueError, FileNotFoundError) as error:
-        raise ExportError(str(error)) from None
+def _build(options: ExportOptions, checkpoint: Path, staging: Path, log: Callable[[str], None]) -> ExportResult:
     model = _stage(
         log, "load", lambda: load_model(checkpoint, dtype=DTYPES[options.dtype]),
         lambda m: f"{options.model}: {sum(p.numel() for p in m.parameters()):,} parameters, {options.dtype}",
