@@ -43,7 +43,7 @@ DEFAULT_MAX_CACHE_LEN = 1024
 DEFAULT_MAX_BATCH = 16
 EXTERNAL_DATA_BYTES = 1 << 30  # weights above this go to model.onnx.data; protobuf's limit is 2 GB
 COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                "special_tokens_map.json")  # fmt: skip
+                "special_tokens_map.json", "chat_template.jinja")  # fmt: skip
 REPORT_NAME = "validation.json"
 # A quantized artifact must score held-out text nearly as eager fp32 does (relative perplexity difference,
 # top-1 agreement). The trained presets measure int8 +0.02% and 99.1%, int4 +1.8% and 92% (bench/README.md).

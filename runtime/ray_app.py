@@ -18,7 +18,7 @@ from runtime.server import ServeOptions, open_app
 DEPLOYMENT = "kvg-serve"
 # app_builder's arguments arrive as text: their types, and the two that are the deployment's own
 TYPES = {"max_batch": int, "max_queue": int, "timeout_s": float, "threads": int, "max_body_bytes": int,
-         "prefill_budget": int, "replicas": int, "replica_cpus": float}  # fmt: skip
+         "prefill_budget": int, "prefix_cache_mb": int, "replicas": int, "replica_cpus": float}  # fmt: skip
 
 
 def application(options: ServeOptions, replicas: int = 1, replica_cpus: float = 1.0) -> Application:

@@ -8,7 +8,7 @@ import os
 import sys
 
 from runtime.artifact import ArtifactError
-from runtime.engine import PREFILL_BUDGET
+from runtime.engine import PREFILL_BUDGET, PREFIX_CACHE_MB
 from runtime.pruning import describe
 
 
@@ -37,6 +37,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="prompt tokens prefilled between two decode steps: a new prompt delays the running streams by at most "
         "one such chunk a step (default: %(default)s)",
     )  # fmt: skip
+    parser.add_argument(
+        "--prefix-cache-mb", type=int, default=PREFIX_CACHE_MB,
+        help="memory for recent prompts' prefixes, by whole prefill chunks: a prompt that begins like one of them is "
+        "prefilled from there (0: off; default: %(default)s)",
+    )  # fmt: skip
     ray = parser.add_argument_group("Ray Serve (pip install 'kvg-export[ray]')")
     ray.add_argument(
         "--ray", action="store_true", help="serve from Ray replicas (RAY_ADDRESS's cluster, else a local one)"
@@ -60,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvg-serve: error: {missing.name} is not installed: pip install 'kvg-export[{extra}]'", file=sys.stderr)
         return 2
     options = ServeOptions(args.artifact, args.max_batch, args.max_queue, args.timeout, args.model_name, args.provider,
-                           args.threads, args.api_key, args.max_body_bytes, args.prefill_budget)  # fmt: skip
+                           args.threads, args.api_key, args.max_body_bytes, args.prefill_budget,
+                           args.prefix_cache_mb)  # fmt: skip
     try:
         options.check()
         if args.replicas < 1 or args.replica_cpus < 0:

@@ -3,8 +3,10 @@ gets prefilled from nothing."""
 
 import threading
 
+import httpx
 import numpy as np
 import pytest
+from test_serve import metric, serving
 
 from runtime.artifact import SessionOptions
 from runtime.engine import Engine, Finished, Token
@@ -83,3 +85,19 @@ def test_the_least_recently_used_blocks_go_first_and_a_chain_loses_its_last_bloc
     assert cache.reused == 10 + 5 + 5 + 10 and cache.looked_up == 5 * 10
     cache.add(list(range(100)), block(100, 0, 301))  # larger than the budget: not kept, nothing evicted
     assert cache.held_bytes == 300
+
+
+def test_the_server_answers_a_resumed_prompt_as_a_fresh_one_and_reports_the_hit_rate(exported):
+    generator = Generator.open(exported("fox-pro-tiny", "static")[0].path, CPU)
+    body = {"max_tokens": 10, "temperature": 0, "logprobs": 3}
+    answers, hit_rates = {}, {}
+    for cached in (True, False):
+        options = {"prefill_budget": 8, "prefix_cache_bytes": (1 << 30) if cached else 0}
+        with serving(generator, engine_options=options) as (url, _engine):
+            answers[cached] = [
+                httpx.post(f"{url}/v1/completions", json={**body, "prompt": prompt}, timeout=60).json()["choices"]
+                for prompt in PROMPTS
+            ]
+            hit_rates[cached] = metric(httpx.get(f"{url}/metrics").text, "kvg_prefix_cache_hit_rate")
+    assert answers[True] == answers[False]
+    assert hit_rates == {True: (24 + 16 + 24 + 24) / sum(map(len, PROMPTS)), False: 0}  # as in the engine's test

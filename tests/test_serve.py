@@ -39,11 +39,12 @@ def free_socket() -> socket.socket:
 
 @contextmanager
 def serving(
-    generator: Generator, max_batch: int = 8, max_queue: int = 64, timeout_s: float | None = None, **app_options
-):
-    """A server on a loopback port of its own, in a thread; yields (base url, engine). `app_options` go to
-    create_app."""
-    engine = Engine(generator, max_batch, max_queue, timeout_s)
+    generator: Generator, max_batch: int = 8, max_queue: int = 64, timeout_s: float | None = None,
+    engine_options: dict | None = None, **app_options,
+):  # fmt: skip
+    """A server on a loopback port of its own, in a thread; yields (base url, engine). `engine_options` go to the
+    Engine, `app_options` to create_app."""
+    engine = Engine(generator, max_batch, max_queue, timeout_s, **(engine_options or {}))
     sock = free_socket()
     server = uvicorn.Server(uvicorn.Config(create_app(engine, MODEL, **app_options), log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

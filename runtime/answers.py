@@ -1,0 +1,391 @@
+"""How the HTTP API answers a generating request, whichever route took it (completions or chat).
+
+Each prompt of a request is a Choice, one engine request; the engine's thread hands events to the event loop,
+which turns tokens into text and cuts it at stop strings. Every prompt is checked before any is queued; the
+choices are then collected into one answer or streamed as server-sent events, in the route's `Shape`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, TypeVar
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from sse_starlette import EventSourceResponse
+from starlette.concurrency import run_in_threadpool
+
+from runtime.artifact import ArtifactError
+from runtime.chat_template import ChatTemplate
+from runtime.engine import Engine, Failed, Finished, Prompt, QueueFull, Token
+from runtime.generator import GenerationConfig
+from runtime.http_guard import error_body
+from runtime.logprobs import TokenLogprob
+from runtime.sampling import SamplingConfig
+from runtime.text_stream import TextStream
+
+RETRY_AFTER_S = 1
+LEAST_LOGPROB = -9999.0  # stands for -inf (a token the sampling processors removed), which JSON cannot hold, as in vLLM
+DISCONNECT_POLL_S = 0.1
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool = False
+
+
+class GenerationRequest(BaseModel):
+    """The fields every generating route takes: OpenAI's, and as vLLM's extensions `top_k`, `min_tokens` and
+    `repetition_penalty`. Fields OpenAI has and this server does not implement are accepted only at their
+    neutral values."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    min_tokens: int = Field(0, ge=0)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    repetition_penalty: float = Field(1.0, gt=0)
+    seed: int | None = None
+    stop: str | list[str] | None = Field(None, max_length=4)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Literal[1] = 1
+    presence_penalty: Literal[0] = 0
+    frequency_penalty: Literal[0] = 0
+    user: str | None = None
+
+    @property
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else self.stop or []
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 headers: dict | None = None):  # fmt: skip
+        super().__init__(message)
+        self.status, self.kind, self.param, self.headers = status, kind, param, headers
+
+
+@dataclass
+class ServerMetrics:
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.requests = Counter("kvg_requests", "Completion requests by outcome", ["outcome"], registry=r)
+        self.prompt_tokens = Counter("kvg_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.generated_tokens = Counter("kvg_generated_tokens", "Tokens generated", registry=r)
+        self.queue_depth = Gauge("kvg_queue_depth", "Requests waiting for a cache row", registry=r)
+        self.batch_occupancy = Gauge("kvg_batch_occupancy", "Fraction of the cache rows in use", registry=r)
+        self.prefix_hit_rate = Gauge(
+            "kvg_prefix_cache_hit_rate",
+            "Share of the prompt tokens looked up that the prefix cache supplied",
+            registry=r,
+        )
+        self.prefix_bytes = Gauge("kvg_prefix_cache_bytes", "Memory the prefix cache holds", registry=r)
+        self.time_to_first_token = Histogram(
+            "kvg_time_to_first_token_seconds", "From a request's arrival to its first token", registry=r,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+        )  # fmt: skip
+        self.time_per_token = Histogram(
+            "kvg_time_per_output_token_seconds", "Between consecutive tokens of a request", registry=r,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
+        )  # fmt: skip
+
+
+@dataclass
+class ServerState:
+    engine: Engine
+    model_name: str
+    chat_template: ChatTemplate | None = None  # None: the artifact has none, and the chat route refuses
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+
+    @property
+    def tokenizer(self):
+        return self.engine.generator.tokenizer
+
+
+@dataclass
+class Delta:
+    text: str
+    scored: list[TokenLogprob]  # log-probabilities of the tokens since the last delta (when the request asked)
+    finish_reason: str | None = None
+
+
+class Choice:
+    """One prompt of a request, fed by the engine's thread through the event loop. `logprobs`: how many likeliest
+    alternatives each token's log-probability comes with (None: no log-probabilities)."""
+
+    def __init__(self, index: int, state: ServerState, arrived: float, stop: list[str], logprobs: int | None,
+                 echo: bool):  # fmt: skip
+        self.index, self.state, self.arrived = index, state, arrived
+        self.logprobs, self.echo = logprobs, echo
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.text = TextStream(state.tokenizer, stop) if state.tokenizer else None
+        self.tokens: list[int] = []
+        self.prompt_tokens = 0
+        self.prompt_text = ""  # what an echo returns first
+        self.offset = 0  # text_offset of the next token reported with log-probabilities
+        self.last_token_at: float | None = None
+        self.handle = None
+
+    def submit(self, prompt: list[int], prompt_text: str, config: GenerationConfig) -> None:
+        loop = asyncio.get_running_loop()
+        self.prompt_tokens, self.prompt_text = len(prompt), prompt_text
+        self.handle = self.state.engine.submit(
+            prompt, config, lambda event: loop.call_soon_threadsafe(self.events.put_nowait, event),
+            self.logprobs, self.echo,
+        )  # fmt: skip
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """Deltas of text as tokens arrive, the last with its finish_reason; raises ApiError if the request fails.
+        Where log-probabilities are asked for, every token has a delta of its own, as in vLLM (its text may come
+        in a later one: a token may complete no character, or be held back while it could begin a stop string)."""
+        metrics, scored = self.state.metrics, []
+        while True:
+            event = await self.events.get()
+            now = time.perf_counter()
+            if isinstance(event, Prompt):
+                yield Delta(self.prompt_text, event.logprobs or [])
+            elif isinstance(event, Token):
+                self.tokens.append(event.token)
+                metrics.generated_tokens.inc()
+                if self.last_token_at is None:
+                    metrics.time_to_first_token.observe(now - self.arrived)
+                else:
+                    metrics.time_per_token.observe(now - self.last_token_at)
+                self.last_token_at = now
+                scored += [event.logprob] if event.logprob else []
+                text = self.text.push(event.token) if self.text else ""
+                if self.text and self.text.stopped:
+                    self.handle.cancel()
+                    yield Delta(text, scored, "stop")
+                    return
+                if text or scored:
+                    yield Delta(text, scored)
+                    scored = []
+            elif isinstance(event, Finished):
+                text = self.text.flush() if self.text else ""
+                yield Delta(text, scored, "stop" if self.text and self.text.stopped else event.reason)
+                return
+            elif isinstance(event, Failed):
+                raise ApiError(503, event.message, "server_error")
+
+    def cancel(self) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+
+    def names(self, scored: list[TokenLogprob]) -> dict[int, str]:
+        """The text of each token these entries name, chosen or alternative."""
+        ids = sorted({entry.token for entry in scored} | {token for entry in scored for token, _ in entry.top})
+        return dict(zip(ids, _token_texts(self.state.tokenizer, ids), strict=True))
+
+    def logprobs_of(self, scored: list[TokenLogprob]) -> dict | None:
+        """OpenAI's legacy `logprobs` object for these tokens, their offsets counted on from the last call's; None
+        when the request did not ask for log-probabilities."""
+        if self.logprobs is None:
+            return None
+        names = self.names(scored)
+        offsets = []
+        for entry in scored:
+            offsets.append(self.offset)
+            self.offset += len(names[entry.token])
+        return {
+            "tokens": [names[entry.token] for entry in scored],
+            "token_logprobs": [None if entry.logprob is None else finite(entry.logprob) for entry in scored],
+            "top_logprobs": [None if entry.logprob is None else _top(entry, names) for entry in scored],
+            "text_offset": offsets,
+        }
+
+
+def _token_texts(tokenizer, ids: list[int]) -> list[str]:
+    """Each token's own text (as vLLM's `tokens`); `token_id:N` without a tokenizer (its return_tokens_as_token_ids)."""
+    if tokenizer is None:
+        return [f"token_id:{token}" for token in ids]
+    return tokenizer.decode_batch([[token] for token in ids], skip_special_tokens=False)
+
+
+def _top(entry: TokenLogprob, names: dict[int, str]) -> dict[str, float]:
+    """Token text to log-probability, most likely first; of two tokens with the same text, the likelier one's."""
+    top: dict[str, float] = {}
+    for token, logprob in entry.top:
+        top.setdefault(names[token], finite(logprob))
+    return top
+
+
+def finite(logprob: float) -> float:
+    return max(logprob, LEAST_LOGPROB)
+
+
+Parsed = TypeVar("Parsed", bound=GenerationRequest)
+
+
+def parse(kind: type[Parsed], body: bytes) -> Parsed:
+    try:
+        return kind.model_validate_json(body)
+    except ValidationError as error:
+        raise RequestValidationError(error.errors()) from None
+
+
+def check_model(request: GenerationRequest, model_name: str) -> None:
+    if request.model is not None and request.model != model_name:
+        raise ApiError(404, f"model {request.model!r} is not served here; GET /v1/models lists {model_name!r}",
+                       param="model")  # fmt: skip
+
+
+def generation_config(request: GenerationRequest, max_tokens: int) -> GenerationConfig:
+    if request.min_tokens > max_tokens:
+        raise ApiError(400, "min_tokens must not exceed max_tokens", param="min_tokens")
+    sampling = SamplingConfig(
+        request.temperature, request.top_k, request.top_p, request.repetition_penalty, request.seed
+    )
+    return GenerationConfig(max_tokens, request.min_tokens, sampling=sampling)
+
+
+class Shape(Protocol):
+    """How a route writes its answer: the id's prefix, the objects' names, and a choice as part of a whole
+    answer or of a stream's chunk (`tokens`: the generated ids, with the whole answer and a stream's last chunk)."""
+
+    id_prefix: str
+    object: str
+    chunk_object: str
+    prompt_param: str  # the field a prompt the engine refuses is reported under
+
+    def opening(self, choice: Choice) -> dict | None:
+        """A streamed choice's chunk before its first delta, if the shape has one."""
+
+    def whole(self, choice: Choice, delta: Delta, tokens: list[int]) -> dict: ...
+
+    def chunk(self, choice: Choice, delta: Delta, tokens: list[int] | None) -> dict: ...
+
+
+async def answer(
+    http: Request, state: ServerState, request: GenerationRequest, shape: Shape, arrived: float,
+    prompts: list[list[int]], texts: list[str], config: GenerationConfig, logprobs: int | None, echo: bool = False,
+) -> Response:  # fmt: skip
+    """Queue every prompt (`texts`: what an echo returns first) and answer, whole or streamed."""
+    choices = [Choice(i, state, arrived, request.stops, logprobs, echo) for i in range(len(prompts))]
+    _submit(state.engine, choices, prompts, texts, config, shape.prompt_param)
+    metrics = state.metrics
+    metrics.prompt_tokens.inc(sum(map(len, prompts)))
+    head = {"id": f"{shape.id_prefix}{uuid.uuid4().hex}", "object": shape.object, "created": int(time.time()),
+            "model": state.model_name}  # fmt: skip
+    if request.stream:
+        head["object"] = shape.chunk_object
+        return EventSourceResponse(_stream(head, choices, shape, request.include_usage, metrics), ping=15)
+    collected = asyncio.ensure_future(asyncio.gather(*(_collect(choice, shape) for choice in choices)))
+    gone = asyncio.create_task(_client_gone(http))
+    try:
+        await asyncio.wait({collected, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        for choice in choices:
+            choice.cancel()
+    if not collected.done():  # the client left: its rows are freed, and nobody reads an answer
+        collected.cancel()
+        metrics.requests.labels(outcome="cancelled").inc()
+        return Response(status_code=499)
+    results = collected.result()
+    metrics.requests.labels(outcome="completed").inc()
+    body = await run_in_threadpool(_json, {**head, "choices": results, "usage": _usage(choices)})
+    return Response(body, media_type="application/json")
+
+
+def _submit(
+    engine: Engine, choices: list[Choice], prompts: list[list[int]], texts: list[str], config: GenerationConfig,
+    prompt_param: str,
+) -> None:  # fmt: skip
+    """All prompts checked before any is queued: a request with a bad prompt queues nothing."""
+    try:
+        for prompt in prompts:
+            engine.check(prompt, config)
+        for choice, prompt, text in zip(choices, prompts, texts, strict=True):
+            choice.submit(prompt, text, config)
+    except QueueFull as full:
+        for choice in choices:
+            choice.cancel()
+        raise ApiError(429, f"the server is busy ({full}); retry after {RETRY_AFTER_S} s", "rate_limit_error",
+                       headers={"Retry-After": str(RETRY_AFTER_S)}) from None  # fmt: skip
+    except (ArtifactError, ValueError) as bad:
+        for choice in choices:
+            choice.cancel()
+        message = str(bad).replace("max_new_tokens", "max_tokens")  # the runtime's name for the API's field
+        raise ApiError(400, message, param=prompt_param if isinstance(bad, ArtifactError) else None) from None
+
+
+async def _client_gone(http: Request) -> None:
+    """Returns once the client of a whole (not streamed) answer has disconnected."""
+    while not await http.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+
+
+def _usage(choices: list[Choice]) -> dict:
+    prompt, completion = sum(c.prompt_tokens for c in choices), sum(len(c.tokens) for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def _collect(choice: Choice, shape: Shape) -> dict:
+    pieces, scored, finish_reason = [], [], None
+    async for delta in choice.deltas():
+        pieces.append(delta.text)
+        scored += delta.scored
+        finish_reason = delta.finish_reason
+    return shape.whole(choice, Delta("".join(pieces), scored, finish_reason), choice.tokens)
+
+
+async def _stream(head: dict, choices: list[Choice], shape: Shape, include_usage: bool, metrics: ServerMetrics):
+    """Server-sent events: each choice's opening chunk if the shape has one, a chunk per text delta of any
+    choice, each choice's last chunk with its finish reason, optionally the usage, then [DONE]. A client that
+    goes away cancels every choice."""
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def pump(choice: Choice) -> None:
+        try:
+            async for delta in choice.deltas():
+                await merged.put(shape.chunk(choice, delta, choice.tokens if delta.finish_reason else None))
+        except ApiError as error:
+            await merged.put(error)
+        except Exception as error:  # a fault in shaping a chunk: the stream says so and ends, rather than hang
+            await merged.put(ApiError(500, f"internal error: {error!r}", "server_error"))
+        await merged.put(None)
+
+    tasks = [asyncio.create_task(pump(choice)) for choice in choices]
+    outcome = "cancelled"
+    try:
+        for choice in choices:
+            if (opening := shape.opening(choice)) is not None:
+                yield {"data": _json({**head, "choices": [opening]})}
+        for _ in range(len(choices)):
+            while (item := await merged.get()) is not None:
+                if isinstance(item, ApiError):
+                    outcome = "failed"
+                    yield {"data": _json(error_body(str(item), item.kind))}
+                    continue
+                yield {"data": _json({**head, "choices": [item]})}
+        if include_usage:
+            yield {"data": _json({**head, "choices": [], "usage": _usage(choices)})}
+        yield {"data": "[DONE]"}
+        outcome = "completed" if outcome != "failed" else outcome
+    finally:
+        for choice in choices:
+            choice.cancel()
+        for task in tasks:
+            task.cancel()
+        metrics.requests.labels(outcome=outcome).inc()
+
+
+def _json(payload: dict) -> str:
+    return json.dumps(payload, separators=(",", ":"))
