@@ -94,6 +94,7 @@ bench-long: setup
 # BENCH_SERVE_FLAGS e.g. "--runs 1 --clients 8"
 bench-serve: setup
 	$(PY) bench/serve_load.py $(BENCH_SERVE_FLAGS)
+	$(PY) bench/serve_scenarios.py $(BENCH_SCENARIO_FLAGS)
 
 # onnxruntime's profiler on a decode: time and nodes per operator type (see bench/README.md); PROFILE_FLAGS e.g.
 # "--models fox-py --quantize fp32 int8", "--no-peers"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -245,6 +246,14 @@ def replace_section(readme: Path, begin: str, end: str, text: str) -> None:
     pattern = re.compile(re.escape(begin) + ".*" + re.escape(end), re.S)
     updated = pattern.sub(lambda _: text, current) if begin in current else current + "\n" + text + "\n"
     readme.write_text(updated)
+
+
+def record(name: str, results: dict, begin: str, end: str, text: str) -> None:
+    """Write a run's results to results/`name` (JSON) and its table into bench/README.md, and print the table."""
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / name).write_text(json.dumps(results, indent=2) + "\n")
+    replace_section(HERE / "README.md", begin, end, text)
+    print(text)
 
 
 def publish(out: Path, begin: str, end: str, text: str) -> None:

@@ -24,8 +24,8 @@ import time
 
 import httpx
 import numpy as np
-from report import replace_section
-from run import HERE, RESULTS, artifact, machine, settle, spread
+from report import record
+from run import HERE, artifact, machine, settle, spread
 
 from runtime.artifact import SessionOptions
 from runtime.generator import GenerationConfig, Generator
@@ -196,11 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [{**summarize("sequential (Generator, dynamic artifact)", baseline, baseline), "clients": 1, "requests": 8}]
     rows += [{**summarize("kvg-serve", runs[c], baseline), "clients": c, "requests": counts[c]} for c in args.clients]
     results = {"machine": machine(), "settings": {**vars(args), "threads": threads}, "rows": rows}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "serve.json").write_text(json.dumps(results, indent=2) + "\n")
-    text = table(results)
-    replace_section(HERE / "README.md", BEGIN, END, text)
-    print(text)
+    record("serve.json", results, BEGIN, END, table(results))
     return 0
 
 

@@ -56,7 +56,7 @@ class Failed:
 
 
 Event = Prompt | Token | Finished | Failed
-PREFILL_BUDGET = 256  # prompt tokens prefilled between two decode steps, by default
+PREFILL_BUDGET = 64  # prompt tokens prefilled between two decode steps, by default (bench/README.md: serving)
 PREFIX_CACHE_MB = 256  # kvg-serve's memory for recent prompts' prefixes, by default
 
 
