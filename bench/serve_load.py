@@ -32,7 +32,7 @@ from runtime.generator import GenerationConfig, Generator
 
 BEGIN, END = "<!-- serve:begin -->", "<!-- serve:end -->"
 STATIC_LENGTH = 512  # room for a 128-token prompt and 128 new tokens, with rows at different offsets
-TARGET_AT_8 = 3.0  # total tokens/s at 8 clients over the sequential figure
+TARGET_AT_8 = 4.0  # total tokens/s at 8 clients over the sequential figure (issue 33)
 
 
 def workload(count: int, vocab: int, prompt: int, seed: int) -> list[list[int]]:
