@@ -74,7 +74,7 @@ def _llama(model: str, context: int = BENCH_CONTEXT) -> Path:
     fox = load_model(model).config
     config = LlamaConfig(
         hidden_size=fox.hidden_size, num_hidden_layers=fox.num_hidden_layers, num_attention_heads=fox.num_heads,
-        num_key_value_heads=fox.kv_heads, intermediate_size=fox.intermediate_size, vocab_size=fox.vocab_size,
+        num_key_value_heads=fox.kv_heads, intermediate_size=fox.mlp_size, vocab_size=fox.vocab_size,
         max_position_embeddings=context, bos_token_id=fox.bos_token_id, eos_token_id=fox.eos_token_id,
         pad_token_id=fox.pad_token_id, tie_word_embeddings=False,
     )  # fmt: skip

@@ -279,7 +279,12 @@ def machine() -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--models", nargs="+", default=["fox-tiny", "fox-mini", "fox-py", "fox-pro-py", "fox-small"])
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        default=["fox-tiny", "fox-mini", "fox-py", "fox-pro-py", "fox-small", "fox-base"],
+        help="presets (fox-pro-760m too, opt-in: minutes to export)",
+    )
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)

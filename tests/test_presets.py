@@ -6,9 +6,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from kvg_export.fox.configuration import FoxConfig
 from kvg_export.presets import MODELS_DIR, load_model, preset_names, resolve_checkpoint
 
-EXPECTED_PRESETS = {"fox-tiny", "fox-pro-tiny", "fox-gqa-tiny", "fox-small", "fox-py", "fox-pro-py"}
+EXPECTED_PRESETS = {"fox-tiny", "fox-pro-tiny", "fox-gqa-tiny", "fox-small", "fox-base", "fox-pro-760m", "fox-py",
+                    "fox-pro-py"}  # fmt: skip
 
 
 @pytest.fixture
@@ -25,6 +27,21 @@ def test_fox_small_has_the_benchmark_size():
     config = json.loads((MODELS_DIR / "fox-small" / "config.json").read_text())
     sizes = {k: config[k] for k in ("hidden_size", "num_hidden_layers", "num_heads", "vocab_size", "intermediate_size")}
     assert sizes == dict(hidden_size=512, num_hidden_layers=8, num_heads=8, vocab_size=32000, intermediate_size=1536)
+
+
+OFFICIAL_SHAPES = {
+    "fox-base": dict(hidden_size=768, num_hidden_layers=12, num_heads=12, vocab_size=32000, mlp=2048),
+    "fox-pro-760m": dict(hidden_size=1536, num_hidden_layers=24, num_heads=24, vocab_size=32768, mlp=3584,
+                         qk_norm=True, use_k_shift=True, use_v_shift=True, use_output_gate=True, use_output_norm=True),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("preset", "shape"), OFFICIAL_SHAPES.items())
+def test_the_official_shapes_are_those_of_the_released_models(preset, shape):
+    """fox-base is the 125M FoX's shape and fox-pro-760m the 760M FoX-Pro's (hidden_ratio 3.5: an MLP of
+    2/3 x 3.5 x 1536 = 3584)."""
+    config = FoxConfig.from_pretrained(MODELS_DIR / preset)
+    assert {key: config.mlp_size if key == "mlp" else getattr(config, key) for key in shape} == shape
 
 
 def test_an_unknown_name_is_refused_with_the_list_of_presets(fresh_cache):
