@@ -16,19 +16,18 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 
 import httpx
 import numpy as np
 from report import record
-from run import HERE, artifact, machine, settle, spread
+from run import artifact, machine, settle, spread
 
 from runtime.artifact import SessionOptions
 from runtime.generator import GenerationConfig, Generator
+from runtime.serve_process import kvg_serve
 
 BEGIN, END = "<!-- serve:begin -->", "<!-- serve:end -->"
 STATIC_LENGTH = 512  # room for a 128-token prompt and 128 new tokens, with rows at different offsets
@@ -90,22 +89,9 @@ async def concurrent(url: str, prompts: list[list[int]], clients: int, new_token
     }
 
 
-def start_server(folder: str, max_batch: int, threads: int, flags: list[str]) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "runtime.serve_cli", folder, "--port", str(port), "--max-batch", str(max_batch),
-               "--max-queue", "256", "--provider", "cpu", "--threads", str(threads), *flags]  # fmt: skip
-    server = subprocess.Popen(command, cwd=HERE.parent)
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
-    while True:
-        if server.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("kvg-serve did not start; its error is printed above")
-        try:
-            if httpx.get(f"{url}/health").status_code == 200:
-                return server, url
-        except httpx.TransportError:
-            time.sleep(0.2)
+def server_flags(max_batch: int, threads: int, flags: list[str]) -> list[str]:
+    """kvg-serve's flags for a benchmark: its rows, a queue that holds every client, the CPU and its threads."""
+    return ["--max-batch", str(max_batch), "--max-queue", "256", "--provider", "cpu", "--threads", str(threads), *flags]
 
 
 def percentiles(values: list[float]) -> dict:
@@ -173,10 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     generator = Generator.open(artifact(args.model, "dynamic", None, "gqa"), SessionOptions("cpu", threads))
     vocab = generator.artifact.vocab_size
     counts = {c: args.requests or max(2 * c, 8) for c in args.clients}
-    server, url = start_server(static, args.max_batch, threads, args.server_flags.split())
     levels = ["sequential", *args.clients]
     runs: dict = {level: [] for level in levels}
-    try:
+    with kvg_serve(static, server_flags(args.max_batch, threads, args.server_flags.split())) as (server, url):
         asyncio.run(concurrent(url, workload(2, vocab, args.prompt, seed=10**6), 2, args.new_tokens))  # warm-up
         sequential(generator, workload(1, vocab, args.prompt, seed=2**31), args.new_tokens)
         for run in range(args.runs):
@@ -189,9 +174,6 @@ def main(argv: list[str] | None = None) -> int:
                     runs[level].append(asyncio.run(concurrent(url, prompts, level, args.new_tokens)))
                     settle(server.pid)
                 print(f"run {run + 1}/{args.runs}: {level}: {runs[level][-1]['tokens_per_s']:.0f} tokens/s", flush=True)
-    finally:
-        server.terminate()
-        server.wait(30)
     baseline = runs["sequential"]
     rows = [{**summarize("sequential (Generator, dynamic artifact)", baseline, baseline), "clients": 1, "requests": 8}]
     rows += [{**summarize("kvg-serve", runs[c], baseline), "clients": c, "requests": counts[c]} for c in args.clients]

@@ -21,12 +21,15 @@ import os
 import statistics
 import sys
 import time
+from contextlib import ExitStack
 
 import httpx
 import numpy as np
 from report import record
 from run import artifact, machine, settle
-from serve_load import start_server
+from serve_load import server_flags
+
+from runtime.serve_process import kvg_serve
 
 BEGIN, END = "<!-- serve-scenarios:begin -->", "<!-- serve-scenarios:end -->"
 LENGTH = 4608  # slots: a 4,096-token prompt among 8 streams of 128 + 192 tokens
@@ -155,18 +158,17 @@ def main(argv: list[str] | None = None) -> int:
         },
         "prefix": {"without prefix cache": ["--prefix-cache-mb", "0"], "with prefix cache (default)": []},
     }
-    servers = {
-        (kind, name): start_server(folder, ROWS, threads, flags)
-        for kind, named in configurations.items()
-        for name, flags in named.items()
-    }
     results = {
-        "long_prompt": dict.fromkeys(configurations["long"]),
-        "shared_prefix": dict.fromkeys(configurations["prefix"]),
+        scenario: {name: [] for name in configurations[kind]}
+        for scenario, kind in (("long_prompt", "long"), ("shared_prefix", "prefix"))
     }
-    results = {scenario: {name: [] for name in names} for scenario, names in results.items()}
-    order = list(servers)
-    try:
+    with ExitStack() as running:
+        servers = {
+            (kind, name): running.enter_context(kvg_serve(folder, server_flags(ROWS, threads, flags)))
+            for kind, named in configurations.items()
+            for name, flags in named.items()
+        }
+        order = list(servers)
         for _server, url in servers.values():  # warm-up
             asyncio.run(shared_prefix(url, vocab, 10**6, 64, 2, 2))
         for run in range(args.runs):
@@ -183,10 +185,6 @@ def main(argv: list[str] | None = None) -> int:
                     shown = f"time to first token p50 {np.percentile(figures['ttft_s'], 50) * 1e3:.0f} ms"
                 settle(server.pid)
                 print(f"run {run + 1}/{args.runs}: {name}: {shown}", flush=True)
-    finally:
-        for server, _url in servers.values():
-            server.terminate()
-            server.wait(30)
     results = {"machine": machine(), "settings": {**vars(args), "threads": threads}, **results}
     record("serve_scenarios.json", results, BEGIN, END, table(results))
     return 0

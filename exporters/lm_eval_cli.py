@@ -8,22 +8,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
-import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-
-import httpx
 
 from runtime.artifact import ArtifactError, read_manifest
 from runtime.engine import check_servable
+from runtime.serve_process import kvg_serve
 
 TASKS_DIR = Path(__file__).resolve().parent / "lm_eval_tasks"
-START_TIMEOUT_S = 120
 
 
 def tokenizer_folder(folder: Path, scratch: Path) -> Path:
@@ -43,43 +36,19 @@ def tokenizer_folder(folder: Path, scratch: Path) -> Path:
     return scratch
 
 
-@contextmanager
-def kvg_serve(artifact: Path, rows: int, provider: str, threads: int) -> Iterator[str]:
-    """kvg-serve on `artifact` in a process of its own on a free loopback port, until the block ends; yields
-    its completions URL once /health answers."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "runtime.serve_cli", str(artifact), "--port", str(port), "--max-batch",
-               str(rows), "--provider", provider, "--threads", str(threads)]  # fmt: skip
-    process = subprocess.Popen(command)
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"kvg-serve exited with status {process.returncode} before it served")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"kvg-serve did not answer /health within {START_TIMEOUT_S} s")
-            time.sleep(0.1)
-        yield f"http://127.0.0.1:{port}/v1/completions"
-    finally:
-        process.terminate()
-        process.wait(30)
+def serve_flags(rows: int, provider: str, threads: int) -> list[str]:
+    return ["--max-batch", str(rows), "--provider", provider, "--threads", str(threads)]
 
 
 def server_model(url: str, tokenizer: Path, max_length: int, batch_size: int):
-    """The harness's `local-completions` model of the server at `url`. `max_length` is the artifact's
-    max_cache_len: the harness keeps a slot for the token it asks for beyond each prompt. A refused request
-    fails at once (the harness would retry it, with back-off)."""
+    """The harness's `local-completions` model of the server whose base URL is `url`. `max_length` is the
+    artifact's max_cache_len: the harness keeps a slot for the token it asks for beyond each prompt. A refused
+    request fails at once (the harness would retry it, with back-off)."""
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 
-    return LocalCompletionsAPI(base_url=url, tokenizer_backend="huggingface", tokenizer=str(tokenizer),
-                               max_length=max_length, batch_size=batch_size, max_retries=1)  # fmt: skip
+    return LocalCompletionsAPI(base_url=f"{url}/v1/completions", tokenizer_backend="huggingface",
+                               tokenizer=str(tokenizer), max_length=max_length, batch_size=batch_size,
+                               max_retries=1)  # fmt: skip
 
 
 def eager_model(model: str, tokenizer: Path, max_length: int, batch_size: int):
@@ -152,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         tokenizer = tokenizer_folder(args.artifact, Path(scratch))
         if args.backend in ("server", "both"):
-            with kvg_serve(args.artifact, args.batch_size, args.provider, args.threads) as url:
+            with kvg_serve(args.artifact, serve_flags(args.batch_size, args.provider, args.threads)) as (_, url):
                 lm = server_model(url, tokenizer, max_length, args.batch_size)
                 results["server"] = evaluate(lm, tasks, args.limit, args.bootstrap_iters)
         if args.backend in ("hf", "both"):

@@ -14,9 +14,10 @@ import pytest
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 
-from exporters.lm_eval_cli import eager_model, evaluate, kvg_serve, server_model, tokenizer_folder
+from exporters.lm_eval_cli import eager_model, evaluate, serve_flags, server_model, tokenizer_folder
 from kvg_export.presets import MODELS_DIR
 from runtime.artifact import read_manifest
+from runtime.serve_process import kvg_serve
 
 MODEL = "fox-py"
 TASKS = ["kvg_stdlib"]
@@ -31,7 +32,7 @@ def scored(exported, tmp_path_factory):
     artifact = exported(MODEL, "static")[0].path
     tokenizer = tokenizer_folder(artifact, tmp_path_factory.mktemp("tokenizer"))
     max_length = read_manifest(artifact)["cache"]["max_cache_len"]
-    with kvg_serve(artifact, ROWS, "cpu", threads=1) as url:
+    with kvg_serve(artifact, serve_flags(ROWS, "cpu", threads=1)) as (_, url):
         server = evaluate(server_model(url, tokenizer, max_length, ROWS), TASKS, LIMIT, bootstrap_iters=0)
     return server, evaluate(eager_model(MODEL, tokenizer, max_length, ROWS), TASKS, LIMIT, bootstrap_iters=0)
 
