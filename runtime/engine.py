@@ -283,9 +283,8 @@ class Engine:
         with self._wake:
             self.waiting.popleft()
         self.filling = _Filling(request, row, end, spans, [TokenLogprob(prompt[0], None)], resumed)
-        for block in blocks:  # into slots the clock has passed, as `_place` leaves them
-            self.cache.write_block(row, end - len(prompt) + block.begin, block.slots)
-        if blocks:
+        if blocks:  # into slots the clock has passed, as `_place` leaves them
+            self.cache.write_prefix(row, end - len(prompt), blocks)
             self.cache.resume(blocks[-1].states)
 
     def _cached_prefix(self, request: Request) -> list[Block]:

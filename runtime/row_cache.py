@@ -17,6 +17,7 @@ import onnxruntime as ort
 
 from runtime import buffers
 from runtime.artifact import Artifact
+from runtime.prefix_cache import Block
 
 
 class RowCache:
@@ -92,11 +93,13 @@ class RowCache:
             states[past] = buffers.to_host(value, self.dtypes[past])[index].copy()
         return slots, states
 
-    def write_block(self, row: int, begin: int, slots: dict[str, np.ndarray]) -> None:
-        """Put a block's slots back into the row from slot `begin` on."""
-        for past, values in slots.items():
+    def write_prefix(self, row: int, begin: int, blocks: list[Block]) -> None:
+        """Put a cached prefix's blocks back into the row, its first token at slot `begin`; each buffer goes to the
+        host and back once, however many blocks (off the CPU, `to_host` copies the whole buffer)."""
+        for past, _ in self.slotted:
             held = buffers.to_host(self.buffers[past], self.dtypes[past])
-            held[row, :, begin : begin + values.shape[1]] = values
+            for block in blocks:
+                held[row, :, begin + block.begin : begin + block.end] = block.slots[past]
             buffers.write_back(self.buffers[past], held, self.dtypes[past], self.device)
 
     def resume(self, states: dict[str, np.ndarray]) -> None:
