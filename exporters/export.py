@@ -41,7 +41,6 @@ OPSETS = range(18, 25)
 ONNX_ATTENTION_OPSET = 24  # the first with TensorScatter and Attention's nonpad_kv_seqlen
 DEFAULT_MAX_CACHE_LEN = 1024
 DEFAULT_MAX_BATCH = 16
-EXTERNAL_DATA_BYTES = 1 << 30  # weights above this go to model.onnx.data; protobuf's limit is 2 GB
 COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                 "special_tokens_map.json", "chat_template.jinja")  # fmt: skip
 REPORT_NAME = "validation.json"
@@ -294,21 +293,19 @@ def _build(options: ExportOptions, checkpoint: Path, staging: Path, log: Callabl
         lambda _: f"torch.export, {options.cache} cache, {options.attention} attention"
         + (", layer windows for forget-gate pruning" if offsets else ""),
     )  # fmt: skip
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     quantization = options.quantization
     # A quantized export validates its float graph first, in a folder of its own, then quantizes it.
     float_folder = staging / "float" if quantization else staging
     float_folder.mkdir(exist_ok=True)
     model_path = float_folder / "model.onnx"
-    external = weight_bytes > EXTERNAL_DATA_BYTES
     keep_apart = quantization.keeps if quantization else lambda module: False
     _stage(
-        log, "lower", lambda: lower_to_onnx(program, example, layout, model_path, options.opset, external, keep_apart,
+        log, "lower", lambda: lower_to_onnx(program, example, layout, model_path, options.opset, keep_apart,
                                         options.attention, offsets),
         lambda fused: f"ONNX opset {options.opset}, {fused[0]} fewer MatMuls (projections joined), "
         f"{fused[1]} residual adds joined with their norms, forget-gate rewrites {-fused[2]:+d} nodes"
         + (f", {fused[3]} gate writes in place in a long enough buffer" if fused[3] else "")
-        + (", weights as external data" if external else ""),
+        + ", weights memory-mappable in model.onnx.data",
     )  # fmt: skip
     files = {name: name for name in COPIED_FILES if (checkpoint / name).is_file()}
     manifest = build_manifest(

@@ -16,6 +16,7 @@ import onnx_ir as ir
 import torch
 from torch.export import Dim, ExportedProgram
 
+from exporters import weights_file
 from exporters.contract import CacheLayout, cache_shape
 from exporters.fuse_norms import fuse_residual_norms
 from exporters.fuse_projections import fuse_projections
@@ -128,10 +129,10 @@ def name_by_module(graph: ir.Graph) -> None:
 
 
 def lower_to_onnx(
-    program: ExportedProgram, example: tuple, layout: CacheLayout, path: Path, opset: int, external_data: bool,
+    program: ExportedProgram, example: tuple, layout: CacheLayout, path: Path, opset: int,
     keep_apart: Callable[[str], bool] = lambda module: False, attention: str = "gqa", window_offsets: bool = False,
 ) -> tuple[int, int, int, int]:  # fmt: skip
-    """Write `path`: the ONNX graph with contract names and named axes, weights beside it if `external_data`;
+    """Write `path`: the ONNX graph with contract names and named axes, its weights beside it (see `weights_file`);
     returns how many projections were joined into others (see `fuse_projections`; modules `keep_apart` names
     are not joined), how many residual adds into the norms after them (see `fuse_norms`), how many nodes
     the forget-gate rewrites took out (see `lean_gates`) and how many gate writes go in place when the
@@ -165,5 +166,5 @@ def lower_to_onnx(
     if window_offsets:
         default_to_zeros(graph, layout.num_layers)
     keep_last_logits(graph)
-    onnx_program.save(str(path), external_data=external_data)
+    weights_file.save(onnx_program.model, path)
     return joined, norms, leaner, written_in_place

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import STATIC_LENGTH
 
-from exporters import validate
+from exporters import validate, weights_file
 from exporters.cli import main
 from exporters.contract import cache_layout
 from exporters.export import ExportError, ExportOptions, check_options, export_artifact
@@ -170,8 +170,7 @@ def test_an_unwritable_output_path_is_refused(tmp_path, capsys):
     assert [p.name for p in tmp_path.iterdir()] == ["a-file"]
 
 
-def test_an_older_opset_with_external_weights_passes_the_same_validation(tmp_path, monkeypatch):
-    monkeypatch.setattr("exporters.export.EXTERNAL_DATA_BYTES", 0)
+def test_an_older_opset_passes_the_same_validation(tmp_path):
     result = export_artifact(ExportOptions("fox-pro-tiny", tmp_path / "art", opset=18), log=lambda _: None)
     assert result.report.passed
     assert json.loads((result.path / MANIFEST_NAME).read_text())["opset"] == 18
@@ -192,3 +191,19 @@ def test_a_graph_that_fails_the_checker_is_refused_cleanly(tmp_path, capsys, mon
     assert main(["fox-tiny", "--out", str(tmp_path / "art")]) == 2
     assert "fails onnx.checker at opset 20: a broken node" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_weights_are_memory_mapped_by_a_session(exported):
+    """Every artifact keeps its weights in model.onnx.data, each large tensor at an offset onnxruntime can map:
+    a session's weights are then the file's pages (its maps name the file), not a copy read into its memory."""
+    path = exported("fox-small", "dynamic")[0].path
+    graph = onnx.load(str(path / "model.onnx"), load_external_data=False).graph
+    places = [{entry.key: entry.value for entry in tensor.external_data} for tensor in graph.initializer]
+    large = [place for place in places if int(place.get("length", 0)) > 1 << 20]
+    assert large and all(place["location"] == "model.onnx.data" for place in large)
+    assert all(int(place["offset"]) % weights_file.ALIGNMENT == 0 for place in large)
+    session = ort.InferenceSession(str(path / "model.onnx"), providers=["CPUExecutionProvider"])
+    with open("/proc/self/maps") as maps:
+        assert any(line.rstrip().endswith(str(path / "model.onnx.data")) for line in maps)
+    del session
+

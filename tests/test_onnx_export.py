@@ -52,7 +52,7 @@ def exported(request, tmp_path_factory):
     program, example = export_program(model, layout, length, in_place_attention=attention != "standard")
     path = tmp_path_factory.mktemp(f"{name}-{kind}") / "model.onnx"
     opset = ONNX_ATTENTION_OPSET if attention == "onnx-attention" else DEFAULT_OPSET
-    lower_to_onnx(program, example, layout, path, opset, external_data=False, attention=attention)
+    lower_to_onnx(program, example, layout, path, opset, attention=attention)
     return model, layout, path
 
 
