@@ -207,3 +207,29 @@ def test_the_weights_are_memory_mapped_by_a_session(exported):
         assert any(line.rstrip().endswith(str(path / "model.onnx.data")) for line in maps)
     del session
 
+
+class PlantedError:
+    """An onnxruntime session whose logits are 0.1% too large: the error of one weight (the final norm's) off
+    by 0.1%."""
+
+    def __init__(self, session: ort.InferenceSession):
+        self.session = session
+
+    def run(self, names, feed):
+        outputs = self.session.run(names, feed)
+        outputs[0] = outputs[0] * np.float32(1.001)
+        return outputs
+
+
+def test_the_scaled_fp32_tolerance_still_fails_a_planted_error(exported):
+    """fp32 parity is judged on the logits' scale (the trained fox-py's reach 14), so it allows more absolute
+    difference than 1e-4; an error of 0.1% in the logits must still fail it."""
+    path = exported("fox-py", "dynamic")[0].path
+    model = load_model("fox-py")
+    layout = cache_layout(model.config, static=False)
+    program, _ = export_program(model, layout, in_place_attention=True)
+    session = ort.InferenceSession(str(path / "model.onnx"), providers=["CPUExecutionProvider"])
+    report = validate.validate_export(model, layout, program, session, None, longer_buffers=True)
+    assert report.passed and max(step.onnx_logits for step in report.steps) < validate.TOLERANCES["float32"]
+    planted = validate.validate_export(model, layout, program, PlantedError(session), None, longer_buffers=True)
+    assert planted.failure.startswith("prefill: onnxruntime logits differ")
