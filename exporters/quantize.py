@@ -4,6 +4,13 @@ with its own scale and zero point), and the embedding's Gather optionally `Gathe
 
 Activations, keys, values and gates keep their dtype. Which projections stay in float is chosen by role
 (`FLOAT_ROLES`), matched against the node names the exporter gives (the modules' state-dict names).
+
+It streams, one weight at a time: given the whole graph, the quantizer holds every float weight in memory, and
+copies of them, several times the float model's bytes. The float graph is opened lazily instead (its weights
+stay in model.onnx.data, mapped only while one is read), and each weight's node is quantized alone, in a graph
+of its own. onnxruntime's quantizers work node by node, so what comes back is what the whole graph would have
+got, bit for bit. Memory holds the quantized weights and one float weight (with the quantizer's copies of it);
+the weights kept in float go from file to file when the graph is written.
 """
 
 from __future__ import annotations
@@ -16,6 +23,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import onnx
+import onnx_ir as ir
+
+from exporters import weights_file
 
 BITS = {"int8": 8, "int4": 4}
 # gptq is left out: onnxruntime 1.31's copy of it writes the same int4 weights as rtn, bit for bit (measured on
@@ -35,7 +45,6 @@ FLOAT_ROLES = {  # role: what it matches in a node name (a module name, or a joi
 # float gains 0.6 to 0.7 points but, at fox-small's vocabulary, would stream 4x the bytes of all its int4 layers.
 # The embedding in float costs no time (a step reads one row) and keeps the graph at its opset.
 DEFAULT_KEEP_FLOAT = ("embedding",)
-EXTERNAL_DATA_BYTES = 1 << 30
 
 
 class QuantizationError(Exception):
@@ -110,19 +119,18 @@ class WeightNodes:
     not_weights: list[str] = field(default_factory=list)
 
 
-FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+READS = {"MatMul": 1, "Gather": 0}  # the input each op reads its weight from
 
 
-def _weight_nodes(model: onnx.ModelProto, quantization: Quantization) -> WeightNodes:
-    inputs = {value.name for value in model.graph.input}
-    initializers = {initializer.name: initializer for initializer in model.graph.initializer}
+def _weight_nodes(graph: ir.Graph, quantization: Quantization) -> WeightNodes:
     nodes = WeightNodes()
-    for node in model.graph.node:
-        read = {"MatMul": 1, "Gather": 0}.get(node.op_type)
-        if read is None or node.input[read] not in initializers:
+    for node in graph:
+        read = READS.get(node.op_type)
+        weight = None if read is None else node.inputs[read]
+        if weight is None or not weight.is_initializer():
             continue
-        initializer = initializers[node.input[read]]
-        if initializer.data_type not in FLOATS or initializer.name in inputs:
+        if weight.const_value.dtype not in FLOATS or weight.is_graph_input():
             nodes.not_weights.append(node.name)
         else:
             (nodes.kept if quantization.keeps(node.name) else nodes.quantized).append(node.name)
@@ -156,34 +164,39 @@ def _algorithm(quantization: Quantization, ops: tuple[str, ...]):
     return nbits.KQuantWeightOnlyQuantConfig(op_types_to_quantize=ops)
 
 
-def _set_accuracy_level(model: onnx.ModelProto, level: int) -> None:
-    """Give every MatMulNBits the same compute precision (not every algorithm's writer sets it)."""
-    for node in model.graph.node:
-        if node.op_type == "MatMulNBits":
-            kept = [a for a in node.attribute if a.name != "accuracy_level"]
-            del node.attribute[:]
-            node.attribute.extend(kept + ([onnx.helper.make_attribute("accuracy_level", level)] if level else []))
+def _one_node_model(model: ir.Model, node: ir.Node) -> onnx.ModelProto:
+    """`node` alone in a graph, its weight read into memory as the only initializer (written in place: each copy
+    of a proto would be one more of the weight), its other inputs the graph's inputs. The weight's file is
+    unmapped again, so the float graph holds no weight in memory."""
+    weight = node.inputs[READS[node.op_type]]
+    opsets = [
+        onnx.OperatorSetIdProto(domain=domain, version=version) for domain, version in model.opset_imports.items()
+    ]
+    one_node = onnx.ModelProto(ir_version=model.ir_version, opset_import=opsets)
+    one_node.graph.node.append(ir.to_proto(node))
+    one_node.graph.input.extend(
+        ir.to_proto(value) for value in node.inputs if value is not None and value is not weight
+    )
+    one_node.graph.output.extend(ir.to_proto(value) for value in node.outputs)
+    ir.serde.serialize_tensor_into(
+        one_node.graph.initializer.add(), ir.Tensor(weight.const_value.numpy(), name=weight.name)
+    )
+    weight.const_value.release()
+    return one_node
 
 
-def quantize_graph(source: Path, target: Path, quantization: Quantization) -> dict:
-    """Write the quantized form of the graph at `source` to `target`; returns the manifest's record."""
-    model = onnx.load(str(source))
-    nodes = _weight_nodes(model, quantization)
-    if not any(name for name in nodes.quantized):
-        raise QuantizationError("no weight is left to quantize: --keep-float keeps every projection in float")
-    ops = ("MatMul",) if "embedding" in quantization.keep_float else ("MatMul", "Gather")
+def _quantize(one_node: onnx.ModelProto, quantization: Quantization, ops: tuple[str, ...]) -> onnx.ModelProto:
+    """onnxruntime's quantization of a one-node graph."""
     quantizer = _quantizer_module().MatMulNBitsQuantizer(
-        model, bits=quantization.bits, block_size=quantization.block_size, is_symmetric=quantization.symmetric,
-        accuracy_level=quantization.accuracy_level, nodes_to_exclude=nodes.kept + nodes.not_weights,
-        algo_config=_algorithm(quantization, ops),
+        one_node, bits=quantization.bits, block_size=quantization.block_size, is_symmetric=quantization.symmetric,
+        accuracy_level=quantization.accuracy_level, algo_config=_algorithm(quantization, ops),
     )  # fmt: skip
     if quantization.method in NEURAL_COMPRESSOR_METHODS:
-        # Its per-node settings (bits, block, scheme; "fp32" leaves a node alone) are built by this method, which
-        # knows only 4 bits: give it the whole table instead.
+        # Its per-node settings (bits, block, scheme) are built by this method, which knows only 4 bits: give it
+        # the node's own instead.
         per_node = {"bits": quantization.bits, "group_size": quantization.block_size,
                     "scheme": "sym" if quantization.symmetric else "asym"}  # fmt: skip
-        table = {name: per_node for name in nodes.quantized} | dict.fromkeys(nodes.kept + nodes.not_weights, "fp32")
-        quantizer._generate_q4_node_config = lambda: table
+        quantizer._generate_q4_node_config = lambda: {node.name: per_node for node in one_node.graph.node}
     with warnings.catch_warnings():
         # hqq hands torch a read-only numpy view of each weight, which it only reads; rtn's Gather path divides
         # by a zero scale for an all-zero block (the padding row) before choosing its own value there.
@@ -191,8 +204,54 @@ def quantize_graph(source: Path, target: Path, quantization: Quantization) -> di
         warnings.filterwarnings("ignore", message="invalid value encountered in divide", category=RuntimeWarning)
         with contextlib.redirect_stdout(io.StringIO()):  # neural-compressor's methods draw a progress bar there
             quantizer.process()
-    quantized = quantizer.model.model if hasattr(quantizer.model, "model") else quantizer.model
-    _set_accuracy_level(quantized, quantization.accuracy_level)
-    external = quantized.ByteSize() > EXTERNAL_DATA_BYTES
-    onnx.save(quantized, str(target), save_as_external_data=external, location=f"{target.name}.data")
+    return quantizer.model.model
+
+
+def _put_in_place(model: ir.Model, node: ir.Node, quantized: onnx.ModelProto) -> None:
+    """Put the quantized graph's nodes where `node` was, reading its inputs and writing its outputs under their
+    names, and their new initializers into the graph; the float weight goes once no node reads it."""
+    graph, weight = model.graph, node.inputs[READS[node.op_type]]
+    # Read from a copy of its own: a tensor read from `quantized` keeps all of its memory, float weight included.
+    part = ir.from_proto(onnx.ModelProto.FromString(quantized.SerializeToString()))
+    inputs = {value.name: value for value in node.inputs if value is not None}
+    for value in part.graph.inputs:
+        value.replace_all_uses_with(inputs[value.name])
+    for name, value in list(part.graph.initializers.items()):
+        if name in graph.initializers:  # a weight left in float, or quantized already for another node reading it
+            value.replace_all_uses_with(graph.initializers[name])
+        else:
+            del part.graph.initializers[name]
+            graph.register_initializer(value)
+    outputs, nodes = list(part.graph.outputs), list(part.graph)
+    part.graph.outputs.clear()
+    part.graph.remove(nodes)
+    ir.convenience.replace_nodes_and_values(graph, node, [node], nodes, node.outputs, outputs)
+    if not weight.uses():
+        del graph.initializers[weight.name]
+    model.opset_imports.update(part.opset_imports)  # com.microsoft, and opset 21 for int4 Gathers
+    model.ir_version = part.ir_version
+
+
+def _set_accuracy_level(graph: ir.Graph, level: int) -> None:
+    """Give every MatMulNBits the same compute precision (not every algorithm's writer sets it)."""
+    for node in graph:
+        if node.op_type == "MatMulNBits":
+            node.attributes.pop("accuracy_level", None)
+            if level:
+                node.attributes["accuracy_level"] = ir.AttrInt64("accuracy_level", level)
+
+
+def quantize_graph(source: Path, target: Path, quantization: Quantization) -> dict:
+    """Write the quantized form of the graph at `source` (its weights external, as the exporter writes them) to
+    `target`, one weight at a time; returns the manifest's record."""
+    model = ir.load(source)
+    nodes = _weight_nodes(model.graph, quantization)
+    if not any(name for name in nodes.quantized):
+        raise QuantizationError("no weight is left to quantize: --keep-float keeps every projection in float")
+    ops = ("MatMul",) if "embedding" in quantization.keep_float else ("MatMul", "Gather")  # what it rewrites
+    chosen = set(nodes.quantized)
+    for node in [node for node in model.graph if node.name in chosen and node.op_type in ops]:
+        _put_in_place(model, node, _quantize(_one_node_model(model, node), quantization, ops))
+    _set_accuracy_level(model.graph, quantization.accuracy_level)
+    weights_file.save(model, target)
     return quantization.record(nodes.quantized, nodes.kept)

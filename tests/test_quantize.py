@@ -7,6 +7,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
+from exporters import weights_file
 from exporters.quantize import Quantization, QuantizationError, quantize_graph
 
 K, N, BLOCK = 64, 48, 32
@@ -14,8 +15,10 @@ NAMES = ("model.layers.0.attn.q_proj", "model.layers.0.attn.fgate_proj", "lm_hea
 
 
 def projections(path, weights: dict[str, np.ndarray]) -> None:
-    """y_name = x @ weight for each weight, each MatMul named after its module as the exporter names them."""
-    x = ir.Value(name="x", shape=ir.Shape([2, 3, K]), type=ir.TensorType(ir.DataType.FLOAT))
+    """y_name = x @ weight for each weight, each MatMul named after its module as the exporter names them, the
+    weights beside the graph as the exporter writes them."""
+    rows = next(iter(weights.values())).shape[0]
+    x = ir.Value(name="x", shape=ir.Shape([2, 3, rows]), type=ir.TensorType(ir.DataType.FLOAT))
     graph = ir.Graph([x], [], nodes=[], opset_imports={"": 20}, name="projections")
     for index, (name, weight) in enumerate(weights.items()):
         initializer = ir.Value(name=f"w{index}", const_value=ir.tensor(weight))
@@ -24,7 +27,7 @@ def projections(path, weights: dict[str, np.ndarray]) -> None:
         product.outputs[0].name, product.outputs[0].dtype = f"y{index}", ir.DataType.FLOAT
         graph.append(product)
         graph.outputs.append(product.outputs[0])
-    ir.save(ir.Model(graph, ir_version=10), str(path))
+    weights_file.save(ir.Model(graph, ir_version=10), path)
 
 
 def rounding_bound(x: np.ndarray, weight: np.ndarray, bits: int) -> np.ndarray:
