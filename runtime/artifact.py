@@ -130,8 +130,10 @@ def open_session(folder: Path, manifest: dict, options: SessionOptions) -> ort.I
     if options.optimized_model_path is not None:
         if options.optimized_model_path.is_file():
             model_path = options.optimized_model_path
-        else:
+        else:  # its weights beside it, as the artifact's are beside model.onnx
             settings.optimized_model_filepath = str(options.optimized_model_path)
+            weights = f"{options.optimized_model_path.name}.data"
+            settings.add_session_config_entry("session.optimized_model_external_initializers_file_name", weights)
     if not model_path.is_file():
         raise ArtifactError(f"{model_path} is missing; re-export the model")
     providers, cuda_required = _providers(options.provider, manifest)
