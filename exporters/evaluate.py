@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from itertools import pairwise
 from pathlib import Path
 
@@ -329,7 +330,8 @@ def evaluate(
 
     began = time.perf_counter()
     eager_batch = max(1, EAGER_BATCH_TOKENS // context)
-    eager_scores = score_windows(lambda ids: eager_logits(eager_model, ids), chosen, eager_batch, config.vocab_size)
+    eager_scores = score_windows(partial(eager_logits, eager_model), chosen, eager_batch, config.vocab_size)
+    del eager_model  # scored: the artifact's session gets its memory
     evaluation = Evaluation(
         model=str(model), text=text, window_tokens=context, windows=len(chosen),
         predicted_tokens=int(eager_scores.nll.size), thresholds=thresholds or Thresholds(),

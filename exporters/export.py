@@ -7,6 +7,7 @@ replaces an old artifact only with a good new one.
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 import time
@@ -278,7 +279,12 @@ def _stage(log: Callable[[str], None], name: str, work: Callable, describe: Call
     return value
 
 
-def _build(options: ExportOptions, checkpoint: Path, staging: Path, log: Callable[[str], None]) -> ExportResult:
+def _float_graph(
+    options: ExportOptions, checkpoint: Path, model_path: Path, log: Callable[[str], None]
+) -> tuple[dict, ValidationReport]:
+    """Load, trace, lower, check and validate the float graph at `model_path`; returns its manifest and the
+    validation. The torch model and the validating session live only here, so a quantized export goes on
+    without them."""
     model = _stage(
         log, "load", lambda: load_model(checkpoint, dtype=DTYPES[options.dtype]),
         lambda m: f"{options.model}: {sum(p.numel() for p in m.parameters()):,} parameters, {options.dtype}",
@@ -293,12 +299,7 @@ def _build(options: ExportOptions, checkpoint: Path, staging: Path, log: Callabl
         lambda _: f"torch.export, {options.cache} cache, {options.attention} attention"
         + (", layer windows for forget-gate pruning" if offsets else ""),
     )  # fmt: skip
-    quantization = options.quantization
-    # A quantized export validates its float graph first, in a folder of its own, then quantizes it.
-    float_folder = staging / "float" if quantization else staging
-    float_folder.mkdir(exist_ok=True)
-    model_path = float_folder / "model.onnx"
-    keep_apart = quantization.keeps if quantization else lambda module: False
+    keep_apart = options.quantization.keeps if options.quantization else lambda module: False
     _stage(
         log, "lower", lambda: lower_to_onnx(program, example, layout, model_path, options.opset, keep_apart,
                                         options.attention, offsets),
@@ -340,8 +341,19 @@ def _build(options: ExportOptions, checkpoint: Path, staging: Path, log: Callabl
     manifest["validation"] = report.summary()
     manifest["pruning"] = pruning
     log(f"pruning   {_describe_pruning(manifest['pruning'])}")
-    for name in files:
-        shutil.copy2(checkpoint / name, staging / name)
+    return manifest, report
+
+
+def _build(options: ExportOptions, checkpoint: Path, staging: Path, log: Callable[[str], None]) -> ExportResult:
+    quantization = options.quantization
+    # A quantized export validates its float graph first, in a folder of its own, then quantizes it.
+    float_folder = staging / "float" if quantization else staging
+    float_folder.mkdir(exist_ok=True)
+    manifest, report = _float_graph(options, checkpoint, float_folder / "model.onnx", log)
+    gc.collect()  # the torch model's and the exporter's reference cycles: quantizing and judging need the memory
+    for name in COPIED_FILES:
+        if (checkpoint / name).is_file():
+            shutil.copy2(checkpoint / name, staging / name)
     result = ExportResult(staging, 0, report)
     reports = {"parity": report.to_json()}
     if quantization:
