@@ -64,9 +64,11 @@ def score_windows(
         while end < len(windows) and end - begin < batch_limit and len(windows[end]) == len(windows[begin]):
             end += 1
         ids = np.stack(windows[begin:end]).astype(np.int64)
-        batch_nll, batch_top1 = next_token_scores(logits_of(ids), ids)
-        nll.append(batch_nll.ravel())
-        top1.append(batch_top1.ravel())
+        # window by window: next_token_scores works in float64, three copies of what it is given
+        for window_logits, window_ids in zip(logits_of(ids), ids, strict=True):
+            window_nll, window_top1 = next_token_scores(window_logits, window_ids)
+            nll.append(window_nll)
+            top1.append(window_top1)
         targets.append(ids[:, 1:].ravel())
         positions.append(np.tile(np.arange(1, ids.shape[1]), len(ids)))
         begin = end
