@@ -38,7 +38,7 @@ EVAL_FLAGS ?=
 GPU_PYTHON ?= python3
 GPU_CHECK_FLAGS ?=
 
-.PHONY: setup test lint format clean export generate serve serve-static lm-eval lm-eval-static train eval gpu-bundle gpu-check bench bench-long bench-serve profile
+.PHONY: setup test lint format clean export generate serve serve-static lm-eval lm-eval-static train eval gpu-bundle gpu-check bench bench-sizes bench-long bench-serve profile
 
 setup: $(STAMP)
 
@@ -84,6 +84,11 @@ eval: setup $(if $(ARTIFACT),,$(OUT)/kvg_config.json)
 # Eager PyTorch against the runtime, side by side (see bench/README.md); BENCH_FLAGS e.g. "--runs 3".
 bench: setup
 	$(PY) bench/run.py $(BENCH_FLAGS)
+
+# The official sizes end to end: export time and memory, fp32 and int4, and the runtime against onnxruntime-genai
+# (bench/README.md); BENCH_SIZES_FLAGS e.g. "--models fox-base fox-pro-760m --runs 3"
+bench-sizes: setup
+	$(PY) bench/official_sizes.py $(BENCH_SIZES_FLAGS)
 
 # Prompts of 512 to 32768 tokens, runtime against onnxruntime-genai (bench/README.md); BENCH_LONG_FLAGS e.g. "--runs 1"
 bench-long: setup

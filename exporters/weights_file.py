@@ -1,9 +1,10 @@
 """Where an artifact keeps its weights: beside the graph, in `model.onnx.data`, at any model size.
 
 Each tensor over a mebibyte starts at a multiple of 64 KiB (Windows' allocation granularity, and a multiple of
-every page size), so onnxruntime memory-maps the weights on the CPU instead of reading them into memory of its
-own: a session's weights are the file's pages, shared by every process that serves it. The writer holds a
-bounded number of bytes at once, so saving a large graph adds little to the exporter's peak memory.
+every page size), so onnxruntime memory-maps the weights on the CPU instead of reading the file into buffers of
+its own: what it uses as stored (the embedding table) stays the file's pages, shared by every process that serves
+the artifact, and what it repacks (MatMul weights) is packed from the mapped pages, which it then lets go. The
+writer holds a bounded number of bytes at once, so saving a large graph adds little to the exporter's peak.
 """
 
 from __future__ import annotations

@@ -195,7 +195,7 @@ def test_a_graph_that_fails_the_checker_is_refused_cleanly(tmp_path, capsys, mon
 
 def test_the_weights_are_memory_mapped_by_a_session(exported):
     """Every artifact keeps its weights in model.onnx.data, each large tensor at an offset onnxruntime can map:
-    a session's weights are then the file's pages (its maps name the file), not a copy read into its memory."""
+    a session maps the file (its memory maps name it) rather than reading it into buffers of its own."""
     path = exported("fox-small", "dynamic")[0].path
     graph = onnx.load(str(path / "model.onnx"), load_external_data=False).graph
     places = [{entry.key: entry.value for entry in tensor.external_data} for tensor in graph.initializer]
