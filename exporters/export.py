@@ -284,7 +284,8 @@ def _float_graph(
 ) -> tuple[dict, ValidationReport]:
     """Load, trace, lower, check and validate the float graph at `model_path`; returns its manifest and the
     validation. The torch model and the validating session live only here, so a quantized export goes on
-    without them."""
+    without them (but for the torch weights that onnxscript 0.7's rewrite rules keep reachable until the next
+    export: they hold the last node each rule looked at, and through it the lowered graph)."""
     model = _stage(
         log, "load", lambda: load_model(checkpoint, dtype=DTYPES[options.dtype]),
         lambda m: f"{options.model}: {sum(p.numel() for p in m.parameters()):,} parameters, {options.dtype}",
