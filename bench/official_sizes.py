@@ -9,7 +9,6 @@ Writes results/sizes.json and the table in bench/README.md.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -17,8 +16,8 @@ import time
 from pathlib import Path
 
 import peers
-from report import replace_section
-from run import ARTIFACTS, HERE, RESULTS, Worker, interleaved_runs, machine, ratio, summary
+from report import record
+from run import ARTIFACTS, Worker, interleaved_runs, machine, ratio, summary
 
 from exporters.preflight import parameters
 from kvg_export.presets import resolve_checkpoint
@@ -70,6 +69,7 @@ def compare(model: str, artifacts: dict[str, dict], batches: list[int], runs: in
 
 def table(results: dict) -> str:
     lines = [
+        BEGIN,
         f"Run {results['machine']['date']} ({results['machine']['cores']} cores), prompt 128, 128 new tokens, median "
         f"(min to max) of {results['settings']['runs']} interleaved runs after a warm-up.",
         "",
@@ -92,7 +92,7 @@ def table(results: dict) -> str:
             f"{spread['median']:.1f} ({spread['min']:.1f} to {spread['max']:.1f}) | {vs} | "
             f"{row['ttft_s']['median'] * 1e3:.0f} | {row['peak_rss_mb']:.0f} | {rss_vs} |"
         )
-    return "\n".join(lines)
+    return "\n".join([*lines, END])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,11 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     exports = {model: {p: export(model, p, args.quality_windows) for p in EXPORTS} for model in args.models}
     rows = [row for model in args.models for row in compare(model, exports[model], args.batches, args.runs, threads)]
     results = {"machine": machine(), "settings": vars(args), "exports": exports, "rows": rows}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "sizes.json").write_text(json.dumps(results, indent=2) + "\n")
-    text = table(results)
-    replace_section(HERE / "README.md", BEGIN, END, f"{BEGIN}\n{text}\n{END}")
-    print(text)
+    record("sizes.json", results, BEGIN, END, table(results))
     return 0
 
 
