@@ -14,18 +14,29 @@ from dataclasses import dataclass
 
 import numpy as np
 
-LOGITS_BUDGET_BYTES = 256 << 20  # the most float32 logits one batch of windows may produce
+LOGITS_BUDGET_BYTES = 64 << 20  # the most float32 logits one batch of windows may produce: 512 tokens of 32k
+POSITIONS_PER_BLOCK = 64  # next_token_scores' float64 work: 16 MB at a 32k vocabulary
 
 
 def next_token_scores(logits: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """-log softmax(logits[..., t, :])[ids[..., t + 1]] (float64) and argmax(logits[..., t, :]) for every
-    position t but the last. logits `[..., seq, vocab]`, ids `[..., seq]`; results `[..., seq - 1]`."""
-    scores = np.asarray(logits[..., :-1, :], dtype=np.float64)
-    targets = np.asarray(ids)[..., 1:, None]
-    peak = scores.max(axis=-1, keepdims=True)
-    log_normalizer = np.log(np.exp(scores - peak).sum(axis=-1)) + peak[..., 0]
-    nll = log_normalizer - np.take_along_axis(scores, targets, axis=-1)[..., 0]
-    return nll, scores.argmax(axis=-1)
+    position t but the last. logits `[..., seq, vocab]`, ids `[..., seq]`; results `[..., seq - 1]`. Worked
+    POSITIONS_PER_BLOCK positions at a time: a window's logits in float64 would take 8 bytes per vocabulary
+    entry and position, twice over (131 MB each for 512 positions of a 32k vocabulary)."""
+    logits, ids = np.asarray(logits), np.asarray(ids)
+    positions = logits.shape[-2] - 1
+    nll = np.empty((*logits.shape[:-2], positions), dtype=np.float64)
+    top1 = np.empty(nll.shape, dtype=np.int64)
+    for begin in range(0, positions, POSITIONS_PER_BLOCK):
+        end = min(begin + POSITIONS_PER_BLOCK, positions)
+        scores = logits[..., begin:end, :].astype(np.float64)
+        picked = np.take_along_axis(scores, ids[..., begin + 1 : end + 1, None], axis=-1)[..., 0]
+        top1[..., begin:end] = scores.argmax(axis=-1)
+        peak = scores.max(axis=-1, keepdims=True)
+        scores -= peak
+        np.exp(scores, out=scores)
+        nll[..., begin:end] = np.log(scores.sum(axis=-1)) + peak[..., 0] - picked
+    return nll, top1
 
 
 @dataclass
@@ -64,11 +75,9 @@ def score_windows(
         while end < len(windows) and end - begin < batch_limit and len(windows[end]) == len(windows[begin]):
             end += 1
         ids = np.stack(windows[begin:end]).astype(np.int64)
-        # window by window: next_token_scores works in float64, three copies of what it is given
-        for window_logits, window_ids in zip(logits_of(ids), ids, strict=True):
-            window_nll, window_top1 = next_token_scores(window_logits, window_ids)
-            nll.append(window_nll)
-            top1.append(window_top1)
+        batch_nll, batch_top1 = next_token_scores(logits_of(ids), ids)
+        nll.append(batch_nll.ravel())
+        top1.append(batch_top1.ravel())
         targets.append(ids[:, 1:].ravel())
         positions.append(np.tile(np.arange(1, ids.shape[1]), len(ids)))
         begin = end
