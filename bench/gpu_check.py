@@ -30,7 +30,9 @@ from run import RESULTS, machine, spread
 from worker import generate_runner, prompts
 
 from exporters.export import DTYPES, ExportOptions, export_artifact
-from exporters.validate import eager_generate, greedy_disagreement
+from exporters.lowering import TORCH_DTYPES
+from exporters.references import eager_generate
+from exporters.validate import greedy_disagreement
 from kvg_export.presets import load_model
 from runtime.artifact import SessionOptions
 from runtime.generator import GenerationConfig, Generator
@@ -167,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             options = ExportOptions(args.preset, out, "static", dtype, MAX_CACHE_LEN, provider=args.provider)
             result = export_artifact(options, log=print)
             manifest = json.loads((out / "kvg_config.json").read_text())
-            model = load_model(args.preset, dtype=DTYPES[dtype]).to(device)
+            model = load_model(args.preset, dtype=TORCH_DTYPES[dtype]).to(device)
             row = {"dtype": dtype, "attention": manifest["attention"],
                    "export_logits_diff": result.report.summary()["max_onnx_logits_diff"],
                    "tolerance": result.report.tolerance}  # fmt: skip

@@ -44,7 +44,7 @@ def check_cache(folder: Path, batch: int = 2) -> CacheCheck:
     generator = Generator.open(folder, SessionOptions(provider="cpu"), None)  # against session.run: every key
     manifest, session = generator.artifact.manifest, generator.artifact.session
     static = generator.artifact.static
-    ids, mask = (t.numpy() for t in validation_prompt(manifest["model"]["vocab_size"], batch, generator.pad))
+    ids, mask = validation_prompt(manifest["model"]["vocab_size"], batch, generator.pad)
     prompts = [row[kept == 1].tolist() for row, kept in zip(ids, mask, strict=True)]  # the runtime pads them again
     no_stop = GenerationConfig(DECODE_STEPS + 1, min_new_tokens=DECODE_STEPS + 1)  # every row runs every step
     result = generator.generate(prompts, no_stop, keep_logits=True)

@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 
 from exporters import export, quantize
+from exporters.contract import DEFAULT_OPSET
 from exporters.evaluate import Thresholds
 from exporters.export import ExportError, ExportOptions, QualityOptions, export_artifact
-from exporters.onnx_export import DEFAULT_OPSET
 from exporters.quantize import Quantization, QuantizationError
 from runtime.pruning import parse_tolerance
 

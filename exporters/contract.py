@@ -11,6 +11,8 @@ from dataclasses import dataclass
 PAST_TEMPLATE = "past_key_values.{layer}.{field}"
 PRESENT_TEMPLATE = "present.{layer}.{field}"
 CACHE_FIELDS = ("key", "value", "gate", "key_shift", "value_shift")  # in the order of kvg_export's TENSOR_FIELDS
+DEFAULT_OPSET = 20
+DYNAMIC_MAX_POSITIONS = 1 << 16  # the most positions a dynamic graph is traced for
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,9 @@ the test split's 181k tokens give 22 windows of 8,192, the first three in its lo
 Both systems score the same windows with the same arithmetic (runtime.scoring), so their figures compare
 position by position; bands of window positions and log-spaced position bins (the curve `--plot` draws)
 show how quality holds over the context.
+
+Eager's half (EagerRun) can be made apart from the artifact's: an export scores eager in its torch half, and
+judges the artifact in its own torch-free process; torch is imported only where eager runs.
 """
 
 from __future__ import annotations
@@ -24,11 +27,9 @@ from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
-import torch
 from tokenizers import Tokenizer
 
 from exporters.manifest import source_digest
-from kvg_export.cache import DynamicCache
 from kvg_export.corpus import Document, describe, read_split, split_digest, token_stream, windows
 from kvg_export.folders import write_whole
 from kvg_export.presets import load_model, resolve_checkpoint
@@ -266,49 +267,52 @@ def _open_artifact(folder: Path, checkpoint: Path, vocab_size: int, options: Ses
     return generator
 
 
-def eager_logits(model: torch.nn.Module, ids: np.ndarray) -> np.ndarray:
+def eager_logits(model, ids: np.ndarray) -> np.ndarray:
     """Float32 logits `[batch, seq, vocab]` of whole windows `[batch, seq]`, fed from an empty cache: a forward
     with a cache runs a long window through the layers chunk by chunk, as the runtime prefills, where one
     without builds each layer's [batch, heads, seq, seq] scores at once (4 GB in float32 for one window of
     8,192 tokens at 16 heads)."""
+    import torch
+
+    from kvg_export.cache import DynamicCache
+
     with torch.no_grad():
         output = model(input_ids=torch.from_numpy(ids), past_key_values=DynamicCache(), use_cache=True)
     return output.logits.float().numpy()
 
 
-def evaluate(
-    model: str,
-    artifact: Path | None = None,
+@dataclass
+class EagerRun:
+    """The text's windows, the bands they are judged in, and eager fp32's scores on them."""
+
+    text: dict  # what was scored: source, files, digest, tokens, order
+    context: int
+    windows: list[np.ndarray]
+    bands: list[tuple[int, int]]
+    scores: Scores
+    seconds: float
+
+
+def run_eager(
+    eager_model,
+    checkpoint: Path,
     *,
     split: str = "test",
     text_paths: list[Path] | None = None,
     context: int = DEFAULT_CONTEXT,
     max_windows: int | None = None,
-    session_options: SessionOptions | None = None,
-    thresholds: Thresholds | None = None,
     bands: list[tuple[int, int]] | None = None,
-) -> Evaluation:
-    """Score the text with eager PyTorch (float32) and, given an artifact, with the runtime; `bands` (first and
-    last window position, inclusive; None: default_bands of the longest window) also get figures of their own,
-    held to the same thresholds."""
-    if context < 2:
-        raise EvalError(f"the context must be at least 2 tokens, got {context}")
-    for first, last in bands or ():
-        if not 0 <= first <= last:
-            raise EvalError(f"positions {first}-{last} are not a band: give first-last with 0 <= first <= last")
+    for_artifact: bool = False,
+) -> EagerRun:
+    """Tokenize the text into windows of `context` tokens and score them with `eager_model` (a FoxForCausalLM);
+    `bands` (None: default_bands of the longest window) must fit in the windows, which `for_artifact` are cut
+    to an artifact's length (a band too long for them is then fixed by exporting a longer one)."""
+    config = eager_model.config
     try:
-        checkpoint = resolve_checkpoint(model)
         documents, text = _documents(split, text_paths)
     except (ValueError, FileNotFoundError) as error:
         raise EvalError(str(error)) from None
-    eager_model = load_model(checkpoint)
-    config = eager_model.config
     tokenizer = check_tokenizer(checkpoint, config.vocab_size)
-    generator = None
-    if artifact is not None:
-        generator = _open_artifact(artifact, checkpoint, config.vocab_size, session_options or SessionOptions())
-        if generator.artifact.static:
-            context = min(context, generator.artifact.manifest["cache"]["max_cache_len"])
     eos = config.eos_token_id[0] if isinstance(config.eos_token_id, list) else config.eos_token_id
     longest_first = context > DEFAULT_CONTEXT
     stream = token_stream(tokenizer, documents, eos, longest_first)
@@ -322,29 +326,69 @@ def evaluate(
     bands = default_bands(longest) if bands is None else bands
     for first, last in bands:
         if last >= longest:
-            longer = "--context" + (", or export a longer static artifact" if generator else "")
+            longer = "--context" + (", or export a longer static artifact" if for_artifact else "")
             raise EvalError(
                 f"positions {first}-{last} need windows of {last + 1} tokens; the longest here has {longest} "
                 f"(raise {longer})"
             )
-
     began = time.perf_counter()
     eager_batch = max(1, EAGER_BATCH_TOKENS // context)
-    eager_scores = score_windows(partial(eager_logits, eager_model), chosen, eager_batch, config.vocab_size)
-    del eager_model  # scored: the artifact's session gets its memory
+    scores = score_windows(partial(eager_logits, eager_model), chosen, eager_batch, config.vocab_size)
+    return EagerRun(text, context, chosen, bands, scores, time.perf_counter() - began)
+
+
+def evaluate(
+    model: str,
+    artifact: Path | None = None,
+    *,
+    split: str = "test",
+    text_paths: list[Path] | None = None,
+    context: int = DEFAULT_CONTEXT,
+    max_windows: int | None = None,
+    session_options: SessionOptions | None = None,
+    thresholds: Thresholds | None = None,
+    bands: list[tuple[int, int]] | None = None,
+    eager: EagerRun | None = None,
+) -> Evaluation:
+    """Score the text with eager PyTorch (float32) and, given an artifact, with the runtime; `bands` (first and
+    last window position, inclusive; None: default_bands of the longest window) also get figures of their own,
+    held to the same thresholds. `eager`: eager's run, made already (on the windows this artifact takes)."""
+    if context < 2:
+        raise EvalError(f"the context must be at least 2 tokens, got {context}")
+    for first, last in bands or ():
+        if not 0 <= first <= last:
+            raise EvalError(f"positions {first}-{last} are not a band: give first-last with 0 <= first <= last")
+    try:
+        checkpoint = resolve_checkpoint(model)
+    except (ValueError, FileNotFoundError) as error:
+        raise EvalError(str(error)) from None
+    check_text_paths(text_paths)  # before the model loads
+    vocab_size = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
+    generator = None
+    if artifact is not None:
+        generator = _open_artifact(artifact, checkpoint, vocab_size, session_options or SessionOptions())
+        if generator.artifact.static:
+            context = min(context, generator.artifact.manifest["cache"]["max_cache_len"])
+    if eager is None:
+        eager = run_eager(load_model(checkpoint), checkpoint, split=split, text_paths=text_paths, context=context,
+                          max_windows=max_windows, bands=bands, for_artifact=artifact is not None)  # fmt: skip
+    elif eager.context != context:
+        raise ValueError(f"eager scored windows of {eager.context} tokens; this artifact takes {context}")
     evaluation = Evaluation(
-        model=str(model), text=text, window_tokens=context, windows=len(chosen),
-        predicted_tokens=int(eager_scores.nll.size), thresholds=thresholds or Thresholds(),
-        eager=SystemResult.of("eager PyTorch", eager_scores, time.perf_counter() - began),
+        model=str(model), text=eager.text, window_tokens=context, windows=len(eager.windows),
+        predicted_tokens=int(eager.scores.nll.size), thresholds=thresholds or Thresholds(),
+        eager=SystemResult.of("eager PyTorch", eager.scores, eager.seconds),
     )  # fmt: skip
+    artifact_scores = None
     if generator is not None:
         began = time.perf_counter()
         max_batch = generator.artifact.manifest["cache"]["max_batch"]
-        artifact_scores = score_windows(generator.teacher_forced_logits, chosen, max_batch, config.vocab_size)
+        artifact_scores = score_windows(generator.teacher_forced_logits, eager.windows, max_batch, vocab_size)
         evaluation.artifact = SystemResult.of(str(artifact), artifact_scores, time.perf_counter() - began)
-        evaluation.top1_agreement = float((artifact_scores.top1 == eager_scores.top1).mean())
-    scored = (eager_scores, artifact_scores if generator else None)
-    evaluation.bands = [Band.of(first, last, *scored) for first, last in bands]
+        evaluation.top1_agreement = float((artifact_scores.top1 == eager.scores.top1).mean())
+    scored = (eager.scores, artifact_scores)
+    evaluation.bands = [Band.of(first, last, *scored) for first, last in eager.bands]
+    longest = max(map(len, eager.windows))
     evaluation.curve = [Band.of(first, last, *scored) for first, last in position_bins(longest)]
     return evaluation
 

@@ -3,39 +3,39 @@
 The artifact is built in a hidden folder beside the output path and renamed into place only after
 validation passes, so a failed or interrupted export never leaves a half-written artifact, and `force`
 replaces an old artifact only with a good new one.
+
+This process never imports torch. Loading, tracing and lowering, and eager's reference outputs, run in a
+process of their own (exporters/lowering.py, through exporters/apart.py) that ends before onnxruntime checks,
+validates, quantizes and judges the graph here: the two halves' memory never adds up.
 """
 
 from __future__ import annotations
 
-import gc
 import json
 import shutil
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from importlib.metadata import version
 from pathlib import Path
 
 import onnx
 import onnxruntime as ort
-import torch
 
+from exporters.apart import ApartError, named, run_apart
 from exporters.cache_check import CacheCheck, check_cache
-from exporters.contract import cache_layout
-from exporters.evaluate import EvalError, Evaluation, Thresholds, evaluate
-from exporters.manifest import MANIFEST_NAME, build_manifest, check_graph_matches, source_digest
-from exporters.onnx_export import DEFAULT_OPSET, DYNAMIC_MAX_POSITIONS, export_program, lower_to_onnx
+from exporters.contract import DEFAULT_OPSET, DYNAMIC_MAX_POSITIONS
+from exporters.evaluate import EagerRun, EvalError, Evaluation, Thresholds, evaluate
+from exporters.manifest import MANIFEST_NAME, check_graph_matches
 from exporters.preflight import PreflightError, preflight
 from exporters.quantize import Quantization, QuantizationError, quantize_graph
-from exporters.validate import MIN_STATIC_LENGTH, ValidationReport, validate_export
+from exporters.stages import stage
+from exporters.validate import MIN_STATIC_LENGTH, References, ValidationReport, validate_onnx
 from kvg_export.folders import publish, staging_folder
-from kvg_export.fox.pruning import bound_kind, score_bounds
-from kvg_export.presets import load_model, resolve_checkpoint
+from kvg_export.presets import resolve_checkpoint
 from runtime.device_cache import held_in_place
 from runtime.pruning import check_tolerance
 
 AS_CONFIG = "config"  # --log-pruning-tolerance's default: the checkpoint config's log_pruning_tolerance
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = ("fp32", "fp16", "bf16")
 ATTENTION_KINDS = ("auto", "standard", "gqa", "onnx-attention")
 IN_PLACE_KINDS = ("gqa", "onnx-attention")  # attention ops that write keys and values into the bound buffer
 OPSETS = range(18, 25)
@@ -79,11 +79,25 @@ class ExportOptions:
     max_batch: int = DEFAULT_MAX_BATCH
     opset: int | None = None  # None: DEFAULT_OPSET, or ONNX_ATTENTION_OPSET for onnx-attention
     force: bool = False
+    # The torch half (load, trace, lower; exporters/lowering.py) in a process of its own, so that its memory is
+    # returned before onnxruntime's is taken. False runs it here: quicker for many small exports in one process
+    # (the tests), which then keeps torch and what libraries hold of the model.
+    separate_process: bool = True
     provider: str = "cpu"
     attention: str = "auto"  # auto, standard or gqa (see check_options)
     log_pruning_tolerance: float | str | None = AS_CONFIG  # a number, AS_CONFIG, or None: no pruning by default
     quantization: Quantization | None = None
     quality: QualityOptions = field(default_factory=QualityOptions)
+
+
+@dataclass
+class Lowered:
+    """What the torch half (exporters/lowering.py) hands back: the manifest (but for its validation), eager's
+    record of the validation run, and eager fp32's scores on held-out text for a quantized export."""
+
+    manifest: dict
+    references: References
+    eager: EagerRun | None
 
 
 @dataclass
@@ -179,24 +193,6 @@ def _check_pruning(options: ExportOptions) -> None:
         )
 
 
-def _pruning(options: ExportOptions, model) -> dict | None:
-    """The manifest's pruning record: the tolerance the runtime prunes at by default (None: it does not) and the
-    score bounds it prunes with at any tolerance; None for a cache the runtime cannot prune."""
-    if not held_in_place(options.cache == "static", options.attention):
-        return None
-    tolerance = options.log_pruning_tolerance
-    if tolerance == AS_CONFIG:
-        tolerance = model.config.log_pruning_tolerance
-    try:
-        if tolerance is not None:
-            check_tolerance(tolerance)  # an explicit one was checked before the load; the config's is checked here
-    except ValueError as error:
-        raise ExportError(
-            f"the checkpoint's config.json: {error}; fix it there, or override it with --log-pruning-tolerance"
-        ) from None
-    return {"log_pruning_tolerance": tolerance, "score_bounds": score_bounds(model), "bound": bound_kind(model.config)}
-
-
 def _describe_pruning(pruning: dict | None) -> str:
     if pruning is None:
         return "none: this cache is not held in place (use --cache static or --attention gqa to prune)"
@@ -253,7 +249,9 @@ def export_artifact(options: ExportOptions, log: Callable[[str], None] = print) 
     if options.provider == "cuda" and not _cuda_usable():
         raise ExportError(_NO_CUDA)
     try:
-        checkpoint = resolve_checkpoint(options.model)
+        checkpoint = resolve_checkpoint(options.model, build=False) or _apart_or_here(
+            options, "kvg_export.presets:resolve_checkpoint", options.model
+        )  # building a preset's weights takes torch
         quantized = options.quantization is not None
         preflight(checkpoint, options.out, options.dtype, quantized, options.quality.text_paths)
     except (ValueError, FileNotFoundError, PreflightError) as error:
@@ -271,53 +269,24 @@ def export_artifact(options: ExportOptions, log: Callable[[str], None] = print) 
     return result
 
 
-def _stage(log: Callable[[str], None], name: str, work: Callable, describe: Callable[..., str]):
-    """Run one stage and log one line: its name, its wall time and `describe(result)`."""
-    start = time.perf_counter()
-    value = work()
-    log(f"{name:<9} {time.perf_counter() - start:6.1f} s  {describe(value)}")
-    return value
+def _apart_or_here(options: ExportOptions, target: str, *args, **kwargs):
+    """`module:function`(*args) in a process of its own (exporters.apart) or, without options.separate_process, here."""
+    if options.separate_process:
+        return run_apart(target, *args, **kwargs)
+    return named(target)(*args, **kwargs)
 
 
 def _float_graph(
     options: ExportOptions, checkpoint: Path, model_path: Path, log: Callable[[str], None]
-) -> tuple[dict, ValidationReport]:
-    """Load, trace, lower, check and validate the float graph at `model_path`; returns its manifest and the
-    validation. The torch model and the validating session live only here, so a quantized export goes on
-    without them (but for the torch weights that onnxscript 0.7's rewrite rules keep reachable until the next
-    export: they hold the last node each rule looked at, and through it the lowered graph)."""
-    model = _stage(
-        log, "load", lambda: load_model(checkpoint, dtype=DTYPES[options.dtype]),
-        lambda m: f"{options.model}: {sum(p.numel() for p in m.parameters()):,} parameters, {options.dtype}",
-    )  # fmt: skip
-    layout = cache_layout(model.config, static=options.cache == "static")
-    in_place = options.attention in IN_PLACE_KINDS
-    pruning = _pruning(options, model)
-    offsets = in_place and pruning is not None and pruning["log_pruning_tolerance"] is not None  # each layer's own
-    program, example = _stage(
-        log, "trace",
-        lambda: export_program(model, layout, options.max_cache_len, options.max_batch, in_place, offsets),
-        lambda _: f"torch.export, {options.cache} cache, {options.attention} attention"
-        + (", layer windows for forget-gate pruning" if offsets else ""),
-    )  # fmt: skip
-    keep_apart = options.quantization.keeps if options.quantization else lambda module: False
-    _stage(
-        log, "lower", lambda: lower_to_onnx(program, example, layout, model_path, options.opset, keep_apart,
-                                        options.attention, offsets),
-        lambda fused: f"ONNX opset {options.opset}, {fused[0]} fewer MatMuls (projections joined), "
-        f"{fused[1]} residual adds joined with their norms, forget-gate rewrites {-fused[2]:+d} nodes"
-        + (f", {fused[3]} gate writes in place in a long enough buffer" if fused[3] else "")
-        + ", weights memory-mappable in model.onnx.data",
-    )  # fmt: skip
-    files = {name: name for name in COPIED_FILES if (checkpoint / name).is_file()}
-    manifest = build_manifest(
-        model.config, layout, dtype=str(model.dtype).removeprefix("torch."), opset=options.opset,
-        max_cache_len=options.max_cache_len, max_batch=options.max_batch, attention=options.attention,
-        source=str(options.model),
-        source_sha256=source_digest(checkpoint), exporter_version=version("kvg-export"),
-        files={"model": "model.onnx", "tokenizer": files.get("tokenizer.json")}, window_offsets=offsets,
-    )  # fmt: skip
-    _stage(
+) -> tuple[dict, ValidationReport, EagerRun | None]:
+    """The float graph at `model_path`, made by the torch half in a process of its own, then checked and
+    validated here; returns its manifest, the validation and eager's scores on held-out text (quantized only)."""
+    try:
+        lowered = _apart_or_here(options, "exporters.lowering:lower", options, checkpoint, model_path, log=log)
+    except ApartError as error:
+        raise ExportError(f"loading, tracing and lowering the model failed: {error}") from None
+    manifest = lowered.manifest
+    stage(
         log, "check", lambda: _check(model_path, manifest, options.opset),
         lambda _: "onnx.checker (full), graph inputs and outputs against the manifest",
     )  # fmt: skip
@@ -329,20 +298,18 @@ def _float_graph(
         raise ExportError(f"onnxruntime cannot run the exported graph (opset {options.opset}): {error}") from None
     if options.provider == "cuda" and "CUDAExecutionProvider" not in session.get_providers():
         raise ExportError(_NO_CUDA)
-    batch, longer_buffers = min(2, options.max_batch), in_place and not layout.static  # only gqa is dynamic
-    report = _stage(
-        log, "validate",
-        lambda: validate_export(model, layout, program, session, options.max_cache_len, batch, longer_buffers),
-        lambda r: f"eager vs ExportedProgram vs onnxruntime: prefill + {r.decode_steps} greedy steps, batch {batch}"
-        + (" (onnxruntime also with longer buffers, as the runtime runs it)" if longer_buffers else ""),
+    references = lowered.references
+    report = stage(
+        log, "validate", lambda: validate_onnx(references, session),
+        lambda r: f"onnxruntime vs eager's record: prefill + {r.decode_steps} greedy steps, batch {r.batch}"
+        + (" (also with longer buffers, as the runtime runs it)" if "onnx-longer" in references.starts else ""),
     )  # fmt: skip
     log(report.table())
     if not report.passed:
         raise ExportError(f"validation failed: {report.failure}; nothing was written to {options.out}")
     manifest["validation"] = report.summary()
-    manifest["pruning"] = pruning
     log(f"pruning   {_describe_pruning(manifest['pruning'])}")
-    return manifest, report
+    return manifest, report, lowered.eager
 
 
 def _build(options: ExportOptions, checkpoint: Path, staging: Path, log: Callable[[str], None]) -> ExportResult:
@@ -350,15 +317,14 @@ def _build(options: ExportOptions, checkpoint: Path, staging: Path, log: Callabl
     # A quantized export validates its float graph first, in a folder of its own, then quantizes it.
     float_folder = staging / "float" if quantization else staging
     float_folder.mkdir(exist_ok=True)
-    manifest, report = _float_graph(options, checkpoint, float_folder / "model.onnx", log)
-    gc.collect()  # the torch model's and the exporter's reference cycles: quantizing and judging need the memory
+    manifest, report, eager = _float_graph(options, checkpoint, float_folder / "model.onnx", log)
     for name in COPIED_FILES:
         if (checkpoint / name).is_file():
             shutil.copy2(checkpoint / name, staging / name)
     result = ExportResult(staging, 0, report)
     reports = {"parity": report.to_json()}
     if quantization:
-        manifest["quantization"] = _stage(
+        manifest["quantization"] = stage(
             log, "quantize", lambda: _quantize(float_folder, staging, quantization),
             lambda record: f"{quantization.name} MatMulNBits ({quantization.method}, block {quantization.block_size}, "
             f"accuracy level {quantization.accuracy_level}): {len(record['quantized_nodes'])} nodes quantized, "
@@ -367,7 +333,9 @@ def _build(options: ExportOptions, checkpoint: Path, staging: Path, log: Callabl
         shutil.rmtree(float_folder)
         _check(staging / "model.onnx", manifest, options.opset)
         (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")  # the runtime opens it to judge
-        result.cache_check, result.quality = _judge_quantized(options, staging, manifest["model"]["vocab_size"], log)
+        result.cache_check, result.quality = _judge_quantized(
+            options, staging, eager, manifest["model"]["vocab_size"], log
+        )
         manifest["validation"] |= {"quality": _quality_summary(result.quality)}
         reports |= {"quantization": manifest["quantization"], "cache_check": result.cache_check.to_json(),
                     "quality": result.quality.to_json()}  # fmt: skip
@@ -399,10 +367,11 @@ def _quantize(float_folder: Path, staging: Path, quantization: Quantization) -> 
 
 
 def _judge_quantized(
-    options: ExportOptions, staging: Path, vocab: int, log: Callable[[str], None]
+    options: ExportOptions, staging: Path, eager: EagerRun, vocab: int, log: Callable[[str], None]
 ) -> tuple[CacheCheck, Evaluation]:
-    """The cache checks, then held-out text through eager fp32 and the artifact; raise ExportError on a miss."""
-    cache = _stage(
+    """The cache checks, then held-out text through the artifact against eager fp32's scores (made by the torch
+    half); raise ExportError on a miss."""
+    cache = stage(
         log, "cache", lambda: check_cache(staging, min(2, options.max_batch)),
         lambda c: f"runtime (cache bound in place) vs session.run: prefill + {c.decode_steps} steps, "
         f"{c.presents_checked} present tensors' shapes, logits max |Δ| {c.max_logits_diff:.2e}",
@@ -412,10 +381,10 @@ def _judge_quantized(
     quality = options.quality
     thresholds = quality.thresholds or QUALITY_THRESHOLDS[options.quantization.bits]
     try:
-        evaluation = _stage(
+        evaluation = stage(
             log, "quality", lambda: evaluate(options.model, staging, text_paths=quality.text_paths,
-                                             max_windows=quality.windows, thresholds=thresholds),
-            lambda e: f"eager fp32 vs the artifact on {e.windows} windows of held-out text "
+                                             max_windows=quality.windows, thresholds=thresholds, eager=eager),
+            lambda e: f"the artifact vs eager fp32 on {e.windows} windows of held-out text "
             f"({e.predicted_tokens:,} tokens predicted)",
         )  # fmt: skip
     except EvalError as error:

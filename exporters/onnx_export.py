@@ -17,7 +17,7 @@ import torch
 from torch.export import Dim, ExportedProgram
 
 from exporters import weights_file
-from exporters.contract import CacheLayout, cache_shape
+from exporters.contract import DYNAMIC_MAX_POSITIONS, CacheLayout, cache_shape
 from exporters.fuse_norms import fuse_residual_norms
 from exporters.fuse_projections import fuse_projections
 from exporters.in_place_scatter import scatter_in_place
@@ -30,8 +30,6 @@ from exporters.wrappers import ExportableFox
 from kvg_export import FoxForCausalLM
 
 EXAMPLE_BATCH, EXAMPLE_PAST, EXAMPLE_SEQ = 2, 3, 4
-DEFAULT_OPSET = 20
-DYNAMIC_MAX_POSITIONS = 1 << 16  # the most positions a dynamic graph is traced for
 
 
 def _cache_tensor(model: FoxForCausalLM, field: str, batch: int, length: int) -> torch.Tensor:

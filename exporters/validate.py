@@ -1,8 +1,10 @@
-"""Parity validation, run at every export: eager PyTorch, the ExportedProgram and onnxruntime, step by step.
+"""Parity validation, run at every export: onnxruntime against eager PyTorch and the ExportedProgram, step by step.
 
-A left-padded batch is prefilled and then decoded greedily (eager's tokens are fed to all three, each
-system carrying its own cache, present fed back as past). Every step's logits and every present tensor
-are compared with eager's; an export whose differences pass the dtype's tolerance is good.
+A left-padded batch is prefilled and then decoded greedily. The export's torch half (references.py) runs eager
+and the ExportedProgram, feeding both eager's tokens, and records eager's logits and present tensors and the
+program's differences from them; here, once torch and its model have returned their memory, onnxruntime runs the
+same inputs (each system carrying its own cache, present fed back as past) and is compared with what eager gave.
+An export whose differences pass the dtype's tolerance is good. Torch-free: the exporter's own process runs it.
 
 A gqa dynamic graph is run by onnxruntime twice per step: as the contract says (past exactly as long as
 the filled positions) and as the runtime runs it (key, value and gate buffers longer than that, which
@@ -14,15 +16,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
-import onnxruntime as ort
-import torch
-from torch.export import ExportedProgram
 
-from exporters.contract import CacheLayout, cache_shape
+from exporters.contract import CacheLayout
 from exporters.last_logits import NAME as LOGITS_TO_KEEP
-from exporters.window_offsets import NAME as WINDOW_OFFSETS
-from exporters.wrappers import ExportableFox
-from kvg_export import FoxForCausalLM
 
 PROMPT_LENGTH, DECODE_STEPS, PADDING = 8, 16, 3
 MIN_STATIC_LENGTH = PROMPT_LENGTH + DECODE_STEPS + 1  # the ExportedProgram takes windows shorter than the buffer
@@ -90,109 +86,93 @@ class ValidationReport:
 
 def difference(got, want) -> float:
     """How far `got` is from eager's `want`, as the tolerances measure it (see TOLERANCES)."""
-    got, want = (t if isinstance(t, torch.Tensor) else torch.from_numpy(np.asarray(t)) for t in (got, want))
-    got, want = got.float(), want.float()
-    if not want.numel():
+    got, want = np.asarray(got, dtype=np.float32), np.asarray(want, dtype=np.float32)
+    if not want.size:
         return 0.0
-    largest = (got - want).abs().max()
-    return float(largest / want.abs().max().clamp(min=1))
+    return float(np.abs(got - want).max() / max(1.0, float(np.abs(want).max())))
 
 
-def _numpy(tensor: torch.Tensor) -> np.ndarray:
-    return tensor.detach().numpy()
-
-
-def validation_prompt(vocab_size: int, batch: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random ids `[batch, PROMPT_LENGTH]`, the first row left-padded by PADDING positions when batch > 1."""
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab_size, (batch, PROMPT_LENGTH), generator=generator)
-    mask = torch.ones(batch, PROMPT_LENGTH, dtype=torch.long)
+def validation_prompt(vocab_size: int, batch: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Random ids `[batch, PROMPT_LENGTH]` (int64), the first row left-padded by PADDING positions when batch > 1."""
+    ids = np.random.default_rng(0).integers(0, vocab_size, (batch, PROMPT_LENGTH), dtype=np.int64)
+    mask = np.ones((batch, PROMPT_LENGTH), dtype=np.int64)
     if batch > 1:
         ids[0, :PADDING], mask[0, :PADDING] = pad_id, 0
     return ids, mask
 
 
-def validate_export(
-    model: FoxForCausalLM,
-    layout: CacheLayout,
-    program: ExportedProgram,
-    session: ort.InferenceSession,
-    max_cache_len: int | None,
-    batch: int = 2,
-    longer_buffers: bool = False,
-) -> ValidationReport:
-    """Run prefill plus DECODE_STEPS greedy steps through the three systems and compare them with eager;
-    `longer_buffers` (gqa dynamic graphs) also runs onnxruntime with key, value and gate buffers longer
-    than the filled positions."""
-    dtype = str(model.dtype).removeprefix("torch.")
-    report = ValidationReport(dtype, TOLERANCES[dtype], batch, PROMPT_LENGTH, DECODE_STEPS)
-    ids, mask = validation_prompt(model.config.vocab_size, batch, model.config.pad_token_id or 0)
-    eager, exported = ExportableFox(model, layout), program.module()
+@dataclass
+class EagerStep:
+    """One step as the torch half saw it: the graph's first inputs (input_ids, attention_mask, and a static
+    cache's cache_position), eager's logits and present tensors (float32; a present cut to the positions filled so
+    far, the only ones attention reads), and how far the ExportedProgram's logits and presents were from eager's."""
 
-    def zeros(length: int) -> list[torch.Tensor]:
-        return [
-            torch.zeros(cache_shape(model.config, name.rsplit(".", 1)[1], batch, length),
-                        dtype=torch.float32 if name.endswith("gate") else model.dtype)
-            for name in layout.past_names()
-        ]  # fmt: skip
+    feed: list[np.ndarray]
+    logits: np.ndarray
+    presents: list[np.ndarray]
+    program_logits: float
+    program_presents: list[float]
 
-    empty = zeros(max_cache_len if layout.static else 0)
-    # Separate buffers per system: a static cache is written in place, by eager and by the program alike.
-    pasts = {"eager": empty, "program": [t.clone() for t in empty], "onnx": [_numpy(t).copy() for t in empty]}
-    if longer_buffers:  # twice what the steps fill
-        pasts["onnx-longer"] = [_numpy(t) for t in zeros(2 * (PROMPT_LENGTH + DECODE_STEPS))]
-    pasts["onnx-last"] = [_numpy(t).copy() for t in empty]  # fed logits_to_keep 1, as the runtime prefills
+
+@dataclass
+class References:
+    """What onnxruntime is compared with: eager's run of the validation (references.record), and each onnxruntime
+    system's empty past (shape and numpy dtype per past input): "onnx" as the contract feeds it, "onnx-last" with
+    logits_to_keep 1 as the runtime prefills, "onnx-longer" (gqa dynamic graphs) with buffers longer than filled."""
+
+    dtype: str
+    layout: CacheLayout
+    batch: int
+    starts: dict[str, list[tuple[tuple[int, ...], str]]]
+    steps: list[EagerStep] = field(default_factory=list)
+
+
+def validate_onnx(references: References, session) -> ValidationReport:
+    """Run onnxruntime `session` through the recorded steps, each system on its own cache, and compare it with
+    eager's outputs (and take the ExportedProgram's recorded differences into the report)."""
+    dtype, layout = references.dtype, references.layout
+    report = ValidationReport(dtype, TOLERANCES[dtype], references.batch, PROMPT_LENGTH, DECODE_STEPS)
+    pasts = {system: [np.zeros(shape, dtype=kind) for shape, kind in start]
+             for system, start in references.starts.items()}  # fmt: skip
     keep_last = {LOGITS_TO_KEEP: np.ones(1, dtype=np.int64)}
-    in_place = any(node.op == "placeholder" and node.name == WINDOW_OFFSETS for node in program.graph.nodes)
-    offsets = {WINDOW_OFFSETS: torch.zeros(layout.num_layers, dtype=torch.long)} if in_place else {}
-    tokens, full_mask, start = ids, mask, 0
-    for step in range(DECODE_STEPS + 1):
-        stop = full_mask.shape[1]
-        head = [tokens, full_mask]
-        if layout.static:  # the mask is the attention window, as the runtime passes it
-            head = [tokens, full_mask, torch.arange(start, stop)]
-        with torch.no_grad():
-            want = eager(*head, *pasts["eager"])
-            got_program = exported(*head, *pasts["program"], **offsets)
+    for index, step in enumerate(references.steps):
         runs = {
             system: session.run(
                 None,
-                dict(zip(layout.input_names(), [_numpy(t) for t in head] + past, strict=True))
+                dict(zip(layout.input_names(), step.feed + past, strict=True))
                 | (keep_last if system == "onnx-last" else {}),
             )
             for system, past in pasts.items()
-            if system.startswith("onnx")
         }
         diffs = {
-            name: max(difference(p, w), *(difference(_filled(run[index], w), w) for run in runs.values()))
-            for index, (name, w, p) in enumerate(zip(layout.present_names(), want[1:], got_program[1:], strict=True), 1)
+            name: max(program, *(difference(_filled(run[output], want), want) for run in runs.values()))
+            for output, (name, want, program) in enumerate(
+                zip(layout.present_names(), step.presents, step.program_presents, strict=True), 1
+            )
         }
         worst = max(diffs, key=diffs.get)
-        eager_next = want[0][:, -1].argmax(-1)
-        onnx_next = [torch.from_numpy(run[0][:, -1]).argmax(-1) for run in runs.values()]
+        eager_next = step.logits[:, -1].argmax(-1)
+        onnx_next = [run[0][:, -1].argmax(-1) for run in runs.values()]
         entry = StepReport(
-            "prefill" if step == 0 else f"decode {step}",
-            difference(got_program[0], want[0]),
-            max(difference(run[0], want[0][:, -run[0].shape[1] :]) for run in runs.values()),
+            "prefill" if index == 0 else f"decode {index}",
+            step.program_logits,
+            max(difference(run[0], step.logits[:, -run[0].shape[1] :]) for run in runs.values()),
             worst,
             diffs[worst],
-            all(torch.equal(eager_next, chosen) for chosen in onnx_next),
+            all(np.array_equal(eager_next, chosen) for chosen in onnx_next),
         )
         report.steps.append(entry)
-        report.failure = report.failure or _failure(entry, want[0][:, -1], eager_next, onnx_next, report.tolerance)
-        pasts = {"eager": list(want[1:]), "program": list(got_program[1:])}
-        pasts |= {system: list(run[1:]) for system, run in runs.items()}
-        tokens, start = eager_next.unsqueeze(1), stop
-        full_mask = torch.cat([full_mask, torch.ones(batch, 1, dtype=torch.long)], dim=1)
+        report.failure = report.failure or _failure(entry, step.logits[:, -1], eager_next, onnx_next, report.tolerance)
+        pasts = {system: list(run[1:]) for system, run in runs.items()}
     return report
 
 
-def _filled(present: np.ndarray, want: torch.Tensor) -> np.ndarray:
-    """A present key, value or gate cut to eager's length (a longer buffer keeps its length)."""
+def _filled(present: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """A present key, value or gate cut to eager's length (a static or longer buffer keeps its length)."""
     return present[:, :, : want.shape[2]] if present.ndim > 2 else present
 
 
-def _failure(entry: StepReport, logits, eager_next, onnx_next: list, tolerance: float) -> str | None:
+def _failure(entry: StepReport, logits: np.ndarray, eager_next, onnx_next: list, tolerance: float) -> str | None:
     """Why this step fails, or None. A greedy flip is a failure only where eager's margin exceeds the noise."""
     if entry.program_logits > tolerance:
         return f"{entry.step}: ExportedProgram logits differ by {entry.program_logits:.2e} > {tolerance:.0e}"
@@ -200,8 +180,8 @@ def _failure(entry: StepReport, logits, eager_next, onnx_next: list, tolerance: 
         return f"{entry.step}: onnxruntime logits differ by {entry.onnx_logits:.2e} > {tolerance:.0e}"
     if entry.worst_present_diff > tolerance:
         return f"{entry.step}: {entry.worst_present} differs by {entry.worst_present_diff:.2e} > {tolerance:.0e}"
-    rows, noise = torch.arange(logits.shape[0]), tie_margin(logits.float().numpy(), tolerance)
-    margins = [(logits[rows, eager_next] - logits[rows, chosen]).float() for chosen in onnx_next]
+    rows, noise = np.arange(logits.shape[0]), tie_margin(logits, tolerance)
+    margins = [logits[rows, eager_next] - logits[rows, chosen] for chosen in onnx_next]
     if any(bool((margin > noise).any()) for margin in margins):
         return f"{entry.step}: onnxruntime's greedy token differs from eager's by a margin above the tolerance"
     return None
@@ -231,20 +211,3 @@ def greedy_disagreement(got_tokens, want_tokens, got_logits, want_logits, dtype:
         if dtype not in HALF_PRECISION or margin > tie_margin(logits, tolerance):
             return f"row {row}, step {parted}: token {tokens[parted]}, eager's {wanted[parted]} (margin {margin:.2e})"
     return None
-
-
-def eager_generate(model: FoxForCausalLM, prompts: list[list[int]], new_tokens: int):
-    """transformers' generate() on a left-padded batch, greedy, on the model's device: the new tokens and the
-    logits of each step `[batch, vocab]` (float32, on the host), what `greedy_disagreement` compares with."""
-    width = max(map(len, prompts))
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt) :], mask[row, width - len(prompt) :] = torch.tensor(prompt), 1
-    with torch.no_grad():
-        out = model.generate(
-            ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, output_logits=True,
-            return_dict_in_generate=True,
-        )  # fmt: skip
-    return out.sequences[:, width:].tolist(), [step.float().cpu().numpy() for step in out.logits]

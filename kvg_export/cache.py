@@ -257,3 +257,10 @@ class StaticCache(GatedCache):
             layer.lazy_initialization(keys, gates)
             for name in shift:
                 layer.allocate_shift(name, kv_heads * head_dim)
+
+
+# A cache is a pytree as soon as its classes exist: torch.export takes and returns it. (pytree.py imports the
+# classes above, so this import comes last.)
+from kvg_export.pytree import register_cache_pytrees  # noqa: E402
+
+register_cache_pytrees()

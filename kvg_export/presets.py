@@ -4,6 +4,8 @@ The model hub is unreachable, so presets in `models/` are made here. A trained p
 `fox-pro-py`) holds its committed weights and is a checkpoint folder as it is. A random-weight preset
 holds a configuration and a tokenizer; its weights are made on first use from a fixed seed, saved as
 safetensors under the cache directory (`$KVG_CACHE_DIR`, default `~/.cache/kvg-export`) and reused after that.
+
+Resolving a name needs no torch (the exporter's own process resolves without it); building and loading import it.
 """
 
 from __future__ import annotations
@@ -13,11 +15,14 @@ import json
 import os
 import shutil
 import tempfile
+from importlib.metadata import version
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from kvg_export.fox import FoxConfig, FoxForCausalLM
+    from kvg_export.fox import FoxForCausalLM
 
 MODELS_DIR = Path(os.environ.get("KVG_MODELS_DIR", Path(__file__).resolve().parent.parent / "models"))
 PRESET_FILES = ("config.json", "generation_config.json", "tokenizer.json")
@@ -54,6 +59,10 @@ def _build_preset(preset: Path, target: Path) -> None:
             f"{preset} has no weights (model.safetensors); restore them with git, or retrain them with "
             f"`make train PRESET={preset.name} TRAIN_FLAGS=--publish`"
         )
+    import torch
+
+    from kvg_export.fox import FoxConfig, FoxForCausalLM
+
     seed = recipe["seed"]
     config = FoxConfig.from_pretrained(preset)
     torch.manual_seed(seed)
@@ -72,8 +81,9 @@ def _build_preset(preset: Path, target: Path) -> None:
             raise
 
 
-def resolve_checkpoint(model: str | os.PathLike) -> Path:
-    """A local folder with config.json and weights for `model`; preset weights are built once and cached."""
+def resolve_checkpoint(model: str | os.PathLike, build: bool = True) -> Path | None:
+    """A local folder with config.json and weights for `model`; preset weights are built once and cached (None
+    where they are not built yet and `build` is False)."""
     preset = preset_folder(model)
     if preset is not None and _has_weights(preset):
         return preset  # a trained preset: a checkpoint folder as it is
@@ -82,9 +92,11 @@ def resolve_checkpoint(model: str | os.PathLike) -> Path:
         for name in (*PRESET_FILES, "preset.json"):
             if (preset / name).is_file():
                 digest.update((preset / name).read_bytes())
-        digest.update(torch.__version__.encode())
+        digest.update(version("torch").encode())
         target = cache_dir() / "presets" / f"{preset.name}-{digest.hexdigest()[:16]}"
         if not (target / "config.json").is_file():
+            if not build:
+                return None
             _build_preset(preset, target)
         return target
     folder = Path(model)
@@ -99,8 +111,13 @@ def resolve_checkpoint(model: str | os.PathLike) -> Path:
 
 
 def load_model(
-    model: str | os.PathLike, dtype: torch.dtype = torch.float32, allow_pickle: bool = False
+    model: str | os.PathLike, dtype: torch.dtype | None = None, allow_pickle: bool = False
 ) -> FoxForCausalLM:
-    """The FoX model for a preset name or folder, or a local checkpoint folder, in eval mode."""
+    """The FoX model for a preset name or folder, or a local checkpoint folder, in eval mode (float32 unless
+    `dtype` says otherwise)."""
+    import torch
+
+    from kvg_export.fox import FoxForCausalLM
+
     folder = resolve_checkpoint(model)
-    return FoxForCausalLM.from_pretrained(folder, dtype=dtype, allow_pickle=allow_pickle).eval()
+    return FoxForCausalLM.from_pretrained(folder, dtype=dtype or torch.float32, allow_pickle=allow_pickle).eval()

@@ -43,7 +43,7 @@ def _unflatten_static(columns: list[list], fields: tuple[str, ...]) -> StaticCac
 
 
 def register_cache_pytrees() -> None:
-    """Idempotent: importing `kvg_export` calls it once.
+    """Idempotent: importing `kvg_export.cache` calls it once.
 
     The cache classes are also allowed for `torch.load(weights_only=True)`: a saved exported program
     pickles its example inputs, caches included, and loading must not fall back to full unpickling.

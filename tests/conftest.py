@@ -49,7 +49,16 @@ def exported(tmp_path_factory):
             with FileLock(shared / "artifacts" / f"{name}.lock"):
                 if not record.exists():
                     lines = []
-                    options = ExportOptions(preset, out, cache, dtype, length, provider=provider, attention=attention)
+                    options = ExportOptions(
+                        preset,
+                        out,
+                        cache,
+                        dtype,
+                        length,
+                        provider=provider,
+                        attention=attention,
+                        separate_process=False,
+                    )  # quicker; test_apart.py runs it apart
                     result = export_artifact(options, log=lines.append)
                     record.write_bytes(pickle.dumps((result, lines)))
                 made[key] = pickle.loads(record.read_bytes())

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import STATIC_LENGTH
 
-from exporters import validate, weights_file
+from exporters import references, validate, weights_file
 from exporters.cli import main
 from exporters.contract import cache_layout
 from exporters.export import ExportError, ExportOptions, check_options, export_artifact
@@ -33,7 +33,7 @@ def artifact(request, exported):
 def test_the_export_passes_its_validation_and_says_so(artifact):
     _, _, _, result, lines = artifact
     assert result.report.passed and len(result.report.steps) == 1 + validate.DECODE_STEPS
-    assert [line.split()[0] for line in lines[:5]] == ["load", "trace", "lower", "check", "validate"]
+    assert [line.split()[0] for line in lines[:6]] == ["load", "trace", "lower", "eager", "check", "validate"]
     saved = json.loads((result.path / "validation.json").read_text())
     assert saved["passed"] and len(saved["steps"]) == 17
 
@@ -104,10 +104,11 @@ def test_a_gqa_dynamic_export_is_validated_with_buffers_longer_than_the_filled_p
     layout = cache_layout(model.config, static=False)
     program, _ = export_program(model, layout, in_place_attention=True)
     session = ort.InferenceSession(str(path / "model.onnx"), providers=["CPUExecutionProvider"])
-    assert validate.validate_export(model, layout, program, session, None, longer_buffers=True).passed
+    longer, exact = (references.record(model, layout, program, None, longer_buffers=flag) for flag in (True, False))
+    assert validate.validate_onnx(longer, session).passed
     wrong = WrongWithLongerBuffers(session)
-    assert validate.validate_export(model, layout, program, wrong, None, longer_buffers=False).passed
-    report = validate.validate_export(model, layout, program, wrong, None, longer_buffers=True)
+    assert validate.validate_onnx(exact, wrong).passed
+    report = validate.validate_onnx(longer, wrong)
     assert report.failure.startswith("prefill: onnxruntime logits differ by 1.00e-02")
 
 
@@ -229,7 +230,8 @@ def test_the_scaled_fp32_tolerance_still_fails_a_planted_error(exported):
     layout = cache_layout(model.config, static=False)
     program, _ = export_program(model, layout, in_place_attention=True)
     session = ort.InferenceSession(str(path / "model.onnx"), providers=["CPUExecutionProvider"])
-    report = validate.validate_export(model, layout, program, session, None, longer_buffers=True)
+    recorded = references.record(model, layout, program, None, longer_buffers=True)
+    report = validate.validate_onnx(recorded, session)
     assert report.passed and max(step.onnx_logits for step in report.steps) < validate.TOLERANCES["float32"]
-    planted = validate.validate_export(model, layout, program, PlantedError(session), None, longer_buffers=True)
+    planted = validate.validate_onnx(recorded, PlantedError(session))
     assert planted.failure.startswith("prefill: onnxruntime logits differ")

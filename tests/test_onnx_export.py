@@ -6,9 +6,9 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from exporters.contract import cache_layout
+from exporters.contract import DEFAULT_OPSET, cache_layout
 from exporters.export import ONNX_ATTENTION_OPSET
-from exporters.onnx_export import DEFAULT_OPSET, export_program, lower_to_onnx
+from exporters.onnx_export import export_program, lower_to_onnx
 from exporters.translations import lower_softplus
 from exporters.wrappers import ExportableFox
 from kvg_export import DynamicCache, FoxConfig, FoxForCausalLM

@@ -10,7 +10,8 @@ import pytest
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from exporters.validate import TOLERANCES, difference, eager_generate
+from exporters.references import eager_generate
+from exporters.validate import TOLERANCES, difference
 from kvg_export.onnx_model import OnnxFoxForCausalLM
 from kvg_export.presets import load_model
 from runtime.artifact import SessionOptions

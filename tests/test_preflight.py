@@ -17,12 +17,15 @@ from kvg_export.presets import resolve_checkpoint
 
 @pytest.fixture
 def never_loaded(monkeypatch):
-    """Fail the test if the export gets as far as loading the model."""
+    """Fail the test if the export gets as far as starting its torch half (load, trace, lower)."""
+    run_apart = export.run_apart
 
-    def load_model(*args, **kwargs):
-        raise AssertionError("the model was loaded before the export was refused")
+    def refuse_the_torch_half(target, *args, **kwargs):
+        if target == "exporters.lowering:lower":
+            raise AssertionError("the model was loaded before the export was refused")
+        return run_apart(target, *args, **kwargs)
 
-    monkeypatch.setattr(export, "load_model", load_model)
+    monkeypatch.setattr(export, "run_apart", refuse_the_torch_half)
 
 
 @pytest.fixture

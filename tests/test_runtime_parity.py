@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from exporters.export import DTYPES
-from exporters.validate import TOLERANCES, eager_generate, greedy_disagreement
+from exporters.lowering import TORCH_DTYPES
+from exporters.references import eager_generate
+from exporters.validate import TOLERANCES, greedy_disagreement
 from kvg_export.presets import load_model
 from runtime.artifact import SessionOptions
 from runtime.generator import RESERVED_NEW_TOKENS, GenerationConfig, Generator
@@ -73,7 +74,7 @@ def check_parity(exported, preset, cache, prompt_kind, provider, attention="auto
     manifest = json.loads((result.path / "kvg_config.json").read_text())
     if provider == "cpu":  # what auto picks for CUDA is tested in test_export_artifact
         assert manifest["attention"] == ("gqa" if attention == "auto" else attention)
-    model = load_model(preset, dtype=DTYPES[dtype])
+    model = load_model(preset, dtype=TORCH_DTYPES[dtype])
     prompts = random_prompts(PROMPTS[prompt_kind], model.config.vocab_size, seed=len(preset))
     want_tokens, want_logits = eager_generate(model, prompts, new_tokens)
     generator = Generator.open(result.path, SessionOptions(provider=provider))

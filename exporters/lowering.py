@@ -1,0 +1,108 @@
+"""An export's torch half: load the checkpoint, trace it, lower it to ONNX, and record what the graph is judged
+against (eager's validation run; for a quantized export, eager fp32's scores on held-out text).
+
+export.py runs `lower` in a process of its own (exporters.apart), so that torch, the model and what the
+lowering leaves behind are gone before onnxruntime validates and quantizes: the export's peak memory is then
+the larger of the two halves, not their sum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from importlib.metadata import version
+from pathlib import Path
+
+import torch
+
+from exporters.contract import cache_layout
+from exporters.evaluate import DEFAULT_CONTEXT, EagerRun, EvalError, run_eager
+from exporters.export import AS_CONFIG, COPIED_FILES, IN_PLACE_KINDS, ExportError, ExportOptions, Lowered
+from exporters.manifest import build_manifest, source_digest
+from exporters.onnx_export import export_program, lower_to_onnx
+from exporters.references import record
+from exporters.stages import stage
+from exporters.validate import DECODE_STEPS
+from kvg_export.fox.pruning import bound_kind, score_bounds
+from kvg_export.presets import load_model
+from runtime.device_cache import held_in_place
+from runtime.pruning import check_tolerance
+
+TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def lower(options: ExportOptions, checkpoint: Path, model_path: Path, log: Callable[[str], None]) -> Lowered:
+    """Write the float graph to `model_path` and record eager's outputs on the validation's inputs."""
+    model = stage(
+        log, "load", lambda: load_model(checkpoint, dtype=TORCH_DTYPES[options.dtype]),
+        lambda m: f"{options.model}: {sum(p.numel() for p in m.parameters()):,} parameters, {options.dtype}",
+    )  # fmt: skip
+    layout = cache_layout(model.config, static=options.cache == "static")
+    in_place = options.attention in IN_PLACE_KINDS
+    pruning = _pruning(options, model)
+    offsets = in_place and pruning is not None and pruning["log_pruning_tolerance"] is not None  # each layer's own
+    eager = None
+    if options.quantization:  # scored first, while the lowering's leftovers do not yet share the memory
+        eager = stage(log, "text", lambda: _score_text(options, model, checkpoint),
+                      lambda run: f"eager fp32 on {len(run.windows)} windows of held-out text")  # fmt: skip
+    program, example = stage(
+        log, "trace",
+        lambda: export_program(model, layout, options.max_cache_len, options.max_batch, in_place, offsets),
+        lambda _: f"torch.export, {options.cache} cache, {options.attention} attention"
+        + (", layer windows for forget-gate pruning" if offsets else ""),
+    )  # fmt: skip
+    keep_apart = options.quantization.keeps if options.quantization else lambda module: False
+    stage(
+        log, "lower", lambda: lower_to_onnx(program, example, layout, model_path, options.opset, keep_apart,
+                                       options.attention, offsets),
+        lambda fused: f"ONNX opset {options.opset}, {fused[0]} fewer MatMuls (projections joined), "
+        f"{fused[1]} residual adds joined with their norms, forget-gate rewrites {-fused[2]:+d} nodes"
+        + (f", {fused[3]} gate writes in place in a long enough buffer" if fused[3] else "")
+        + ", weights memory-mappable in model.onnx.data",
+    )  # fmt: skip
+    files = {name: name for name in COPIED_FILES if (checkpoint / name).is_file()}
+    manifest = build_manifest(
+        model.config, layout, dtype=str(model.dtype).removeprefix("torch."), opset=options.opset,
+        max_cache_len=options.max_cache_len, max_batch=options.max_batch, attention=options.attention,
+        source=str(options.model),
+        source_sha256=source_digest(checkpoint), exporter_version=version("kvg-export"),
+        files={"model": "model.onnx", "tokenizer": files.get("tokenizer.json")}, window_offsets=offsets,
+    )  # fmt: skip
+    manifest["pruning"] = pruning
+    batch, longer_buffers = min(2, options.max_batch), in_place and not layout.static  # only gqa is dynamic
+    references = stage(
+        log, "eager", lambda: record(model, layout, program, options.max_cache_len, batch, longer_buffers),
+        lambda r: f"eager and the ExportedProgram: prefill + {DECODE_STEPS} greedy steps, batch {batch}, "
+        f"recorded for onnxruntime (ExportedProgram logits Δ {max(s.program_logits for s in r.steps):.2e})",
+    )  # fmt: skip
+    return Lowered(manifest, references, eager)
+
+
+def _score_text(options: ExportOptions, model, checkpoint: Path) -> EagerRun:
+    """Eager fp32's half of the quantized artifact's judgement, on the windows evaluate() cuts for that artifact."""
+    if options.dtype != "fp32":
+        model = load_model(checkpoint)
+    context = DEFAULT_CONTEXT if options.cache == "dynamic" else min(DEFAULT_CONTEXT, options.max_cache_len)
+    quality = options.quality
+    try:
+        return run_eager(model, checkpoint, text_paths=quality.text_paths, context=context,
+                         max_windows=quality.windows, for_artifact=True)  # fmt: skip
+    except EvalError as error:
+        raise ExportError(f"a quantized export is judged on held-out text: {error}") from None
+
+
+def _pruning(options: ExportOptions, model) -> dict | None:
+    """The manifest's pruning record: the tolerance the runtime prunes at by default (None: it does not) and the
+    score bounds it prunes with at any tolerance; None for a cache the runtime cannot prune."""
+    if not held_in_place(options.cache == "static", options.attention):
+        return None
+    tolerance = options.log_pruning_tolerance
+    if tolerance == AS_CONFIG:
+        tolerance = model.config.log_pruning_tolerance
+    try:
+        if tolerance is not None:
+            check_tolerance(tolerance)  # an explicit one was checked before the load; the config's is checked here
+    except ValueError as error:
+        raise ExportError(
+            f"the checkpoint's config.json: {error}; fix it there, or override it with --log-pruning-tolerance"
+        ) from None
+    return {"log_pruning_tolerance": tolerance, "score_bounds": score_bounds(model), "bound": bound_kind(model.config)}
