@@ -1,8 +1,9 @@
 """How the HTTP API answers a generating request, whichever route took it (completions or chat).
 
-Each prompt of a request is a Choice, one engine request; the engine's thread hands events to the event loop,
-which turns tokens into text and cuts it at stop strings. Every prompt is checked before any is queued; the
-choices are then collected into one answer or streamed as server-sent events, in the route's `Shape`.
+Each prompt of a request is a Choice, one engine request; the engine's thread turns its tokens into text, cuts it
+at stop strings and names the tokens of log-probability entries (`Choice.decode`) before it hands each event to the
+event loop, which never detokenizes, so that no client waits on another's text. Every prompt is checked before any
+is queued; the choices are then collected into one answer or streamed as server-sent events, in the route's `Shape`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from starlette.concurrency import run_in_threadpool
 
 from runtime.artifact import ArtifactError
 from runtime.chat_template import ChatTemplate
-from runtime.engine import Engine, Failed, Finished, Prompt, QueueFull, Token
+from runtime.engine import Engine, Event, Failed, Finished, Prompt, QueueFull, Token
 from runtime.generator import GenerationConfig
 from runtime.http_guard import error_body
 from runtime.logprobs import TokenLogprob
@@ -118,6 +119,16 @@ class ServerState:
         return self.engine.generator.tokenizer
 
 
+@dataclass(frozen=True)
+class Decoded:
+    """An engine event with the text it makes final (a Prompt's: the prompt's, when echoed), decoded in the engine's
+    thread; `stopped`: that text met a stop string, and nothing follows it."""
+
+    event: Event
+    text: str = ""
+    stopped: bool = False
+
+
 @dataclass
 class Delta:
     text: str
@@ -134,7 +145,8 @@ class Choice:
         self.index, self.state, self.arrived = index, state, arrived
         self.logprobs, self.echo = logprobs, echo
         self.events: asyncio.Queue = asyncio.Queue()
-        self.text = TextStream(state.tokenizer, stop) if state.tokenizer else None
+        self.text = TextStream(state.tokenizer, stop) if state.tokenizer else None  # pushed in the engine's thread
+        self.token_texts: dict[int, str] = {}  # of every token a log-probability entry names, filled in that thread
         self.tokens: list[int] = []
         self.prompt_tokens = 0
         self.prompt_text = ""  # what an echo returns first
@@ -146,9 +158,28 @@ class Choice:
         loop = asyncio.get_running_loop()
         self.prompt_tokens, self.prompt_text = len(prompt), prompt_text
         self.handle = self.state.engine.submit(
-            prompt, config, lambda event: loop.call_soon_threadsafe(self.events.put_nowait, event),
+            prompt, config, lambda event: loop.call_soon_threadsafe(self.events.put_nowait, self.decode(event)),
             self.logprobs, self.echo,
         )  # fmt: skip
+
+    def decode(self, event: Event) -> Decoded:
+        """In the engine's thread: the text the event makes final, and the texts of the tokens its log-probability
+        entries name."""
+        text = ""
+        if isinstance(event, Prompt):
+            text = self.prompt_text
+            self._name(event.logprobs or [])
+        elif isinstance(event, Token):
+            text = self.text.push(event.token) if self.text else ""
+            self._name([event.logprob] if event.logprob else [])
+        elif isinstance(event, Finished):
+            text = self.text.flush() if self.text else ""
+        return Decoded(event, text, bool(self.text and self.text.stopped))
+
+    def _name(self, scored: list[TokenLogprob]) -> None:
+        named = {entry.token for entry in scored} | {token for entry in scored for token, _ in entry.top}
+        ids = sorted(named - self.token_texts.keys())
+        self.token_texts.update(zip(ids, _token_texts(self.state.tokenizer, ids), strict=True))
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """Deltas of text as tokens arrive, the last with its finish_reason; raises ApiError if the request fails.
@@ -156,10 +187,10 @@ class Choice:
         in a later one: a token may complete no character, or be held back while it could begin a stop string)."""
         metrics, scored = self.state.metrics, []
         while True:
-            event = await self.events.get()
-            now = time.perf_counter()
+            decoded = await self.events.get()
+            event, now = decoded.event, time.perf_counter()
             if isinstance(event, Prompt):
-                yield Delta(self.prompt_text, event.logprobs or [])
+                yield Delta(decoded.text, event.logprobs or [])
             elif isinstance(event, Token):
                 self.tokens.append(event.token)
                 metrics.generated_tokens.inc()
@@ -169,17 +200,15 @@ class Choice:
                     metrics.time_per_token.observe(now - self.last_token_at)
                 self.last_token_at = now
                 scored += [event.logprob] if event.logprob else []
-                text = self.text.push(event.token) if self.text else ""
-                if self.text and self.text.stopped:
+                if decoded.stopped:
                     self.handle.cancel()
-                    yield Delta(text, scored, "stop")
+                    yield Delta(decoded.text, scored, "stop")
                     return
-                if text or scored:
-                    yield Delta(text, scored)
+                if decoded.text or scored:
+                    yield Delta(decoded.text, scored)
                     scored = []
             elif isinstance(event, Finished):
-                text = self.text.flush() if self.text else ""
-                yield Delta(text, scored, "stop" if self.text and self.text.stopped else event.reason)
+                yield Delta(decoded.text, scored, "stop" if decoded.stopped else event.reason)
                 return
             elif isinstance(event, Failed):
                 raise ApiError(503, event.message, "server_error")
@@ -188,17 +217,12 @@ class Choice:
         if self.handle is not None:
             self.handle.cancel()
 
-    def names(self, scored: list[TokenLogprob]) -> dict[int, str]:
-        """The text of each token these entries name, chosen or alternative."""
-        ids = sorted({entry.token for entry in scored} | {token for entry in scored for token, _ in entry.top})
-        return dict(zip(ids, _token_texts(self.state.tokenizer, ids), strict=True))
-
     def logprobs_of(self, scored: list[TokenLogprob]) -> dict | None:
         """OpenAI's legacy `logprobs` object for these tokens, their offsets counted on from the last call's; None
         when the request did not ask for log-probabilities."""
         if self.logprobs is None:
             return None
-        names = self.names(scored)
+        names = self.token_texts
         offsets = []
         for entry in scored:
             offsets.append(self.offset)

@@ -102,7 +102,7 @@ def _logprobs(choice: Choice, scored: list[TokenLogprob]) -> dict | None:
     likeliest alternatives (the chosen token is listed there only if it is one of them)."""
     if choice.logprobs is None:
         return None
-    names = choice.names(scored)
+    names = choice.token_texts
 
     def entry(token: int, logprob: float) -> dict:
         return {"token": names[token], "logprob": finite(logprob), "bytes": list(names[token].encode())}

@@ -1,6 +1,7 @@
 """kvg-serve's limits and key, as vLLM's server has them: the /v1 routes need the API key when one is set,
 and a body over the size limit is a 413 before it is parsed, while the server keeps answering."""
 
+import asyncio
 import json
 import socket
 import threading
@@ -154,3 +155,39 @@ def test_an_empty_key_or_a_limit_below_one_byte_is_refused(generator):
     for options in [ServeOptions(folder, api_key=""), ServeOptions(folder, max_body_bytes=0)]:
         with pytest.raises(ArtifactError, match="--api-key must not be empty and --max-body-bytes must be >= 1"):
             options.check()
+
+
+class LoopWatched:
+    """A tokenizer that notes the name of each of its methods called on a thread that runs an event loop."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.on_loop = tokenizer, []
+
+    def __getattr__(self, name: str):
+        attribute = getattr(self.tokenizer, name)
+        if not callable(attribute):
+            return attribute
+
+        def call(*args, **kwargs):
+            try:
+                asyncio.get_running_loop()
+                self.on_loop.append(name)
+            except RuntimeError:  # no loop runs here: an engine or worker thread
+                pass
+            return attribute(*args, **kwargs)
+
+        return call
+
+
+def test_no_tokenizing_or_detokenizing_runs_on_the_event_loop(exported):
+    generator = Generator.open(exported("fox-tiny", "static")[0].path, CPU)
+    watched = generator.tokenizer = LoopWatched(generator.tokenizer)
+    body = {"prompt": ["def main():\n", "import os"], "max_tokens": 12, "temperature": 0, "logprobs": 2,
+            "echo": True, "stop": ["zzz"]}  # fmt: skip
+    with serving(generator) as (url, _engine):
+        whole = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as streamed:
+            events = [line for line in streamed.iter_lines() if line.startswith("data: ")]
+    assert whole.status_code == 200 and all(choice["logprobs"]["tokens"] for choice in whole.json()["choices"])
+    assert events[-1] == "data: [DONE]" and len(events) > 2 * 12
+    assert watched.on_loop == []
