@@ -8,6 +8,7 @@ Pure ASGI rather than Starlette's BaseHTTPMiddleware, which would buffer the bod
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
 
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -26,11 +27,13 @@ def body_limit(max_cache_len: int, max_batch: int) -> int:
 
 
 class HttpGuard:
-    """Answers 401 to a `/v1` request without the key and 413 to a body over `max_body_bytes`; the app then
-    gets the body, read in full, as one message."""
+    """Answers 401 to a `/v1` request without the key and 413 to a body over `max_body_bytes`, and tells `refused`
+    the status (for the server's metrics); the app then gets the body, read in full, as one message."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int):
-        self.app, self.max_body_bytes = app, max_body_bytes
+    def __init__(
+        self, app: ASGIApp, api_key: str | None, max_body_bytes: int, refused: Callable[[int], None] = lambda _: None
+    ):
+        self.app, self.max_body_bytes, self.refused = app, max_body_bytes, refused
         self.key = None if api_key is None else api_key.encode()
         self.too_large = f"the request body is over this server's limit of {max_body_bytes} bytes (--max-body-bytes)"
 
@@ -41,11 +44,11 @@ class HttpGuard:
         headers = dict(scope["headers"])
         path = scope["path"].removeprefix(scope.get("root_path", ""))  # as Starlette routes it
         if (refusal := self._refusal(path, headers.get(b"authorization"))) is not None:
-            await _refuse(scope, receive, send, 401, refusal, {"WWW-Authenticate": "Bearer"})
+            await self._refuse(scope, receive, send, 401, refusal, {"WWW-Authenticate": "Bearer"})
             return
         declared = headers.get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_body_bytes:
-            await _refuse(scope, receive, send, 413, self.too_large)
+            await self._refuse(scope, receive, send, 413, self.too_large)
             return
         body, size = [], 0
         while True:
@@ -55,7 +58,7 @@ class HttpGuard:
             body.append(message.get("body", b""))
             size += len(body[-1])
             if size > self.max_body_bytes:  # the rest is not read: the server discards it
-                await _refuse(scope, receive, send, 413, self.too_large)
+                await self._refuse(scope, receive, send, 413, self.too_large)
                 return
             if not message.get("more_body", False):
                 break
@@ -65,6 +68,11 @@ class HttpGuard:
             return read.pop() if read else await receive()
 
         await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, status: int, message: str,
+                      headers: dict | None = None) -> None:  # fmt: skip
+        self.refused(status)
+        await JSONResponse(error_body(message, "invalid_request_error"), status, headers=headers)(scope, receive, send)
 
     def _refusal(self, path: str, authorization: bytes | None) -> str | None:
         """Why the request may not pass, or None: with a key, a /v1 route needs it (compared in constant time)."""
@@ -76,7 +84,3 @@ class HttpGuard:
         if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
             return None
         return "the API key is not this server's"
-
-
-async def _refuse(scope: Scope, receive: Receive, send: Send, status: int, message: str, headers: dict | None = None):
-    await JSONResponse(error_body(message, "invalid_request_error"), status, headers=headers)(scope, receive, send)

@@ -111,8 +111,10 @@ def create_app(
     app = FastAPI(title="kvg-serve", lifespan=lifespan)
     app.state.kvg = state
     limit = body_limit(engine.cache.length, engine.cache.rows) if max_body_bytes is None else max_body_bytes
-    app.add_middleware(HttpGuard, api_key=api_key, max_body_bytes=limit)
     metrics = state.metrics
+    refused = metrics.requests.labels  # a refusal before the body is read counts as any request's error does
+    app.add_middleware(HttpGuard, api_key=api_key, max_body_bytes=limit,
+                       refused=lambda status: refused(outcome=f"http_{status}").inc())  # fmt: skip
     metrics.queue_depth.set_function(lambda: engine.queue_depth)
     metrics.batch_occupancy.set_function(lambda: engine.busy_rows / engine.cache.rows)
     if engine.prefixes is not None:

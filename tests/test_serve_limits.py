@@ -191,3 +191,22 @@ def test_no_tokenizing_or_detokenizing_runs_on_the_event_loop(exported):
     assert whole.status_code == 200 and all(choice["logprobs"]["tokens"] for choice in whole.json()["choices"])
     assert events[-1] == "data: [DONE]" and len(events) > 2 * 12
     assert watched.on_loop == []
+
+
+def refusals(url: str) -> dict[str, float]:
+    """kvg_requests_total by outcome, for the guard's statuses, from /metrics."""
+    counted = {"http_401": 0.0, "http_413": 0.0}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        for outcome in counted:
+            if line.startswith(f'kvg_requests_total{{outcome="{outcome}"}}'):
+                counted[outcome] = float(line.split()[-1])
+    return counted
+
+
+def test_the_guards_refusals_are_counted_in_the_request_metrics(guarded):
+    url, _engine = guarded
+    before = refusals(url)
+    assert httpx.post(f"{url}/v1/completions", json=SMALL).status_code == 401
+    assert httpx.post(f"{url}/v1/completions", content=b" " * 20_000_000, headers=bearer(KEY)).status_code == 413
+    after = refusals(url)
+    assert {outcome: after[outcome] - before[outcome] for outcome in after} == {"http_401": 1.0, "http_413": 1.0}
