@@ -5,6 +5,7 @@ events that open with the assistant's role.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -67,10 +68,14 @@ def chat_prompt(request: ChatRequest, state: ServerState) -> list[int]:
     return state.tokenizer.encode(rendered, add_special_tokens=False).ids
 
 
-def chat_config(request: ChatRequest, prompt: list[int], cache_length: int) -> GenerationConfig:
-    """Without a limit asked for, as many tokens as the cache holds after the prompt (the last is never fed)."""
+def chat_config(
+    request: ChatRequest, prompt: list[int], cache_length: int, stop_tokens: tuple[int, ...]
+) -> GenerationConfig:
+    """Without a limit asked for, as many tokens as the cache holds after the prompt (the last is never fed); the
+    answer also stops at `stop_tokens` (the template's end of turn, `ChatTemplate.stop_tokens`)."""
     asked = request.max_completion_tokens or request.max_tokens
-    return generation_config(request, asked or max(cache_length - len(prompt) + 1, 1))
+    config = generation_config(request, asked or max(cache_length - len(prompt) + 1, 1))
+    return replace(config, stop_tokens=config.stop_tokens + stop_tokens)
 
 
 class ChatShape:

@@ -25,11 +25,15 @@ SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")  # the var
 class ChatTemplate:
     template: Any  # a compiled jinja2.Template
     tokens: dict[str, str]  # SPECIAL_TOKENS the tokenizer config sets, by name
+    # The tokenizer config's eos_token as a token id, where it is one: a template may end the assistant's turn with
+    # it (ChatML's <|im_end|>) where the model's own eos ids do not list it; vLLM stops a chat there as well
+    stop_tokens: tuple[int, ...] = ()
 
     @classmethod
-    def load(cls, folder: Path) -> ChatTemplate | None:
-        """The folder's template; None when it has none. An unreadable config or a template that does not compile
-        is an ArtifactError, so that the server refuses to start rather than fail each chat request."""
+    def load(cls, folder: Path, tokenizer) -> ChatTemplate | None:
+        """The folder's template, with `tokenizer` (the artifact's) to find its stop token; None when it has none.
+        An unreadable config or a template that does not compile is an ArtifactError, so that the server refuses
+        to start rather than fail each chat request."""
         path = folder / CONFIG_NAME
         try:
             config = json.loads(path.read_text()) if path.is_file() else {}
@@ -42,7 +46,8 @@ class ChatTemplate:
         if not source:
             return None
         tokens = {name: _content(config[name]) for name in SPECIAL_TOKENS if config.get(name)}
-        return cls(_compile(source, folder), tokens)
+        end = tokenizer.token_to_id(tokens["eos_token"]) if "eos_token" in tokens else None
+        return cls(_compile(source, folder), tokens, () if end is None else (end,))
 
     def render(self, messages: list[dict]) -> str:
         """The conversation as the model reads it, ending where the assistant's next turn begins; a ValueError

@@ -100,7 +100,8 @@ def create_app(
 ) -> FastAPI:
     """`api_key`: what the /v1 routes require as a bearer token (None: nothing); `max_body_bytes`: the cap on
     a request's body (None: `body_limit` of the artifact's max_cache_len and the engine's rows)."""
-    template = ChatTemplate.load(engine.generator.artifact.folder) if engine.generator.tokenizer else None
+    tokenizer = engine.generator.tokenizer
+    template = ChatTemplate.load(engine.generator.artifact.folder, tokenizer) if tokenizer else None
     state = ServerState(engine, model_name, template)
 
     @asynccontextmanager
@@ -175,7 +176,7 @@ def create_app(
         check_model(request, model_name)
         alternatives = request.alternatives()
         prompt = await run_in_threadpool(chat_prompt, request, state)
-        config = chat_config(request, prompt, engine.cache.length)
+        config = chat_config(request, prompt, engine.cache.length, state.chat_template.stop_tokens)
         return await answer(http, state, request, CHAT, arrived, [prompt], [""], config, alternatives)
 
     return app

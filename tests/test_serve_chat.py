@@ -158,3 +158,20 @@ def test_an_unknown_model_is_a_404(server):
     url, _engine = server
     answer = httpx.post(f"{url}/v1/chat/completions", json={"model": "gpt-4", "messages": MESSAGES}, timeout=60)
     assert answer.status_code == 404 and MODEL in answer.json()["error"]["message"]
+
+
+def test_a_chat_answer_stops_at_the_tokenizer_configs_eos_token(server, exported, tmp_path):
+    """As ChatML's <|im_end|> ends a turn without being the model's eos: here a token the greedy answer reaches."""
+    url, engine = server
+    tokens = chat(url, max_tokens=20, temperature=0)["choices"][0]["token_ids"]
+    at = next(i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i])  # its first appearance, not the first
+    folder = tmp_path / "fox-tiny-chat-eos"
+    shutil.copytree(exported("fox-tiny", "static")[0].path, folder)
+    eos = engine.generator.tokenizer.id_to_token(tokens[at])
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": BOS, "eos_token": eos, "chat_template": TEMPLATE})
+    )
+    with serving(Generator.open(folder, CPU)) as (ended_url, _engine):
+        choice = chat(ended_url, max_tokens=20, temperature=0)["choices"][0]
+        assert (choice["token_ids"], choice["finish_reason"]) == (tokens[: at + 1], "stop")
+        assert completion(ended_url, max_tokens=20, temperature=0)["choices"][0]["token_ids"] == tokens  # chat only
