@@ -15,6 +15,7 @@ import multiprocessing
 import os
 import pickle
 import signal
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -25,12 +26,13 @@ class ApartError(Exception):
     """The process ended without an answer (killed, most often by the kernel when memory ran out)."""
 
 
-def run_apart(target: str, *args, log: Callable[[str], None] | None = None):
+def run_apart(target: str, *args, log: Callable[[str], None] | None = None, absent: tuple[str, ...] = ()):
     """`module.function(*args)` in a spawned process; given `log`, the function takes `log=` too, and its lines go
-    to `log` as they come."""
+    to `log` as they come. `absent`: packages the process takes as not installed, so that a library importing an
+    optional package wherever it is installed leaves it out."""
     context = multiprocessing.get_context("spawn")
     receiver, sender = context.Pipe(duplex=False)
-    process = context.Process(target=_serve, args=(sender, target, args, log is not None), daemon=True)
+    process = context.Process(target=_serve, args=(sender, target, args, log is not None, absent), daemon=True)
     process.start()
     sender.close()  # the child's copy is the only writer left: its exit ends the pipe
     try:
@@ -74,7 +76,10 @@ def named(target: str) -> Callable:
     return getattr(import_module(module), name)
 
 
-def _serve(sender, target: str, args: tuple, logs: bool) -> None:
+def _serve(sender, target: str, args: tuple, logs: bool, absent: tuple[str, ...]) -> None:
+    for name in absent:
+        sys.modules.setdefault(name, None)  # import raises ImportError, and importlib.util.find_spec finds nothing
+
     def log(line: str) -> None:
         sender.send(("log", line, None))
 

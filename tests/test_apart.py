@@ -1,6 +1,7 @@
 """exporters.apart: a function run in a spawned process answers, logs and fails as if it ran here; the exporter's
 own process never imports torch, whose half of the export runs apart."""
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -24,6 +25,15 @@ def refused(log):
 def killed(log):
     log("about to be killed")
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def installed(name, log):
+    return importlib.util.find_spec(name) is not None
+
+
+def test_a_package_named_absent_is_not_installed_for_the_function_while_others_are():
+    assert run_apart("test_apart:installed", "wave", log=print, absent=("tomllib",)) is True
+    assert run_apart("test_apart:installed", "wave", log=print, absent=("wave",)) is False
 
 
 def test_the_result_and_the_log_lines_come_back_from_another_process():
