@@ -56,3 +56,18 @@ def test_binding_a_bf16_buffer_by_address_reads_the_rows_asked_for():
     binding.bind_output("y")
     session.run_with_iobinding(binding)
     np.testing.assert_array_equal(binding.copy_outputs_to_cpu()[0], values[1:].float().numpy())
+
+
+def test_moving_slots_equals_copying_them_out_first_overlapping_or_not():
+    """Compaction moves a window's kept slots down over themselves: the result must be a copy taken before."""
+    rng = np.random.default_rng(0)
+    for shape in ([3, 2, 12, 4], [3, 2, 12]):
+        for dtype in ("float32", "bfloat16"):
+            for rows in (slice(None), 1, [0, 2]):
+                for begin, end, to in ((5, 11, 0), (2, 9, 1), (0, 4, 6), (3, 7, 3)):
+                    data = rng.integers(0, 1000, shape).astype(buffers.HOST_TYPES[dtype])
+                    value = buffers.from_host(data.copy(), dtype, "cpu")
+                    buffers.move_slots(value, dtype, "cpu", rows, begin, end, to)
+                    expected = data.copy()
+                    expected[rows, :, to : to + end - begin] = data[rows, :, begin:end].copy()
+                    np.testing.assert_array_equal(buffers.to_host(value, dtype), expected)
