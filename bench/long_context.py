@@ -3,7 +3,8 @@ to 32,768 tokens, for the runtime on a static and on a dynamic artifact and for 
 same-size LLaMA built for as long a context.
 
 Long prompts are where a gated cache's prefill and memory part ways with a plain one, and `make bench`'s
-128-token prompt never gets there. Each system runs in a worker process of its own (bench/worker.py) that
+128-token prompt never gets there. The prompts are held-out text by default, whose forget gates are what
+pruning meets in use. Each system runs in a worker process of its own (bench/worker.py) that
 takes the prompt lengths in ascending order, so the peak RSS read after a length's runs is that length's
 (VmHWM only grows). At each length the systems run interleaved (A B C A B C ...), after a warm-up at the first; each
 figure is the median with min and max. A length a system cannot hold (past its artifact's max_cache_len or
@@ -18,13 +19,18 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import matplotlib
 import matplotlib.ticker
+import numpy as np
 from report import fmt_spread, publish
 from run import RESULTS, Worker, artifact, interleaved_runs, machine, ratio, summary
+from tokenizers import Tokenizer
 
+from kvg_export.corpus import read_split, token_stream
+from kvg_export.presets import preset_folder
 from runtime.pruning import parse_tolerance
 
 matplotlib.use("Agg")
@@ -35,6 +41,7 @@ PRUNED = ("runtime-static-pruned", "runtime-dynamic-pruned")  # the runtime with
 SYSTEMS = ("runtime-static", "runtime-dynamic", *PRUNED, GENAI)
 DEFAULT_PROMPTS = (512, 4096, 16384, 32768)
 BEGIN, END = "<!-- long:begin -->", "<!-- long:end -->"
+PROMPT_IDS = {"text": "prompts of held-out text (the stdlib corpus's test split)", "random": "random prompt ids"}
 STYLES = ("-", "--", ":", "-.")  # a line style per model in the plot
 
 
@@ -72,9 +79,28 @@ def targets(model: str, context: int, peers: bool, threads: int, prune: float | 
     return made
 
 
-def measure(model: str, args: argparse.Namespace, threads: int) -> list[dict]:
-    """One row per prompt length and system: its figures, or why it was not run at that length."""
+def held_out_ids(model: str, length: int, folder: Path) -> str:
+    """The first `length` tokens of held-out text (the stdlib corpus's test split, longest documents first, as
+    bench/kept_keys.py reads it) in `model`'s tokenizer, saved in `folder` for the workers; the path.
+
+    A trained model's forget gates on text are what pruning keeps or drops in use; on random ids they differ
+    (fox-pro-py's neediest layer keeps about 14k of 16k random positions, 9k of 16k text ones)."""
+    preset = preset_folder(model)
+    eos = json.loads((preset / "config.json").read_text()).get("eos_token_id")
+    tokenizer = Tokenizer.from_file(str(preset / "tokenizer.json"))
+    ids = token_stream(tokenizer, read_split("test"), eos, longest_first=True)[:length]
+    if len(ids) < length:
+        raise SystemExit(f"the held-out text has {len(ids)} {model} tokens, not {length}: use --prompt-ids random")
+    path = folder / f"{model}.npy"
+    np.save(path, ids)
+    return str(path)
+
+
+def measure(model: str, args: argparse.Namespace, threads: int, folder: Path) -> list[dict]:
+    """One row per prompt length and system: its figures, or why it was not run at that length (`folder`: where
+    the prompt's token ids are saved for the workers)."""
     context = max(args.prompts) + args.new_tokens
+    text = held_out_ids(model, max(args.prompts), folder) if args.prompt_ids == "text" else None
     made = targets(model, context, args.peers, threads, args.prune)
     limits = {system: capacity(Path(folder)) for system, (folder, _) in made.items()}
     workers = {system: Worker(system, folder, threads, python) for system, (folder, python) in made.items()}
@@ -92,7 +118,7 @@ def measure(model: str, args: argparse.Namespace, threads: int) -> list[dict]:
                     at_length.append(where | {"skipped": f"needs {needed} positions, holds {limits[system]}"})
                 else:
                     fitting[system] = workers[system]
-            request = {"batch": 1, "prompt": prompt, "new_tokens": args.new_tokens}
+            request = {"batch": 1, "prompt": prompt, "new_tokens": args.new_tokens, "text": text}
             warmup = args.warmup if prompt == min(args.prompts) else 0  # a worker's first runs are what warm up
             runs = interleaved_runs(fitting, request, warmup, args.runs, lost)
             at_length += rows_at(model, prompt, runs, {system: lost[system] for system in fitting if system in lost})
@@ -192,7 +218,8 @@ def report(results: dict) -> str:
         [
             BEGIN,
             f"Run {machine_info['date']} on {machine_info['cpu']} ({machine_info['cores']} cores, "
-            f"{settings['threads']} threads): batch 1, fp32, random prompt ids, {settings['new_tokens']} greedy new "
+            f"{settings['threads']} threads): batch 1, fp32, {PROMPT_IDS[settings['prompt_ids']]}, "
+            f"{settings['new_tokens']} greedy new "
             f"tokens, median (min to max) of {settings['runs']} interleaved runs after {settings['warmup']} "
             f"warm-up round(s) at the shortest prompt; static artifact and genai context {settings['context']} "
             "positions. vs genai: the "
@@ -218,6 +245,10 @@ def main(argv: list[str] | None = None) -> int:
         help="warm-up rounds, at the shortest prompt length (a worker's first runs are what warm up)",
     )
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument(
+        "--prompt-ids", choices=sorted(PROMPT_IDS), default="text",
+        help="the prompts' tokens: held-out text (realistic forget gates) or random ids",
+    )  # fmt: skip
     parser.add_argument("--no-peers", dest="peers", action="store_false", help="leave out onnxruntime-genai")
     parser.add_argument(
         "--prune", type=parse_tolerance, default=-10.0, metavar="X|none",
@@ -236,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
 
         settings["genai_packages"] = list(RUNTIME_PACKAGES)
     results = {"machine": machine(), "settings": settings}
-    results["rows"] = [row for model in args.models for row in measure(model, args, threads)]
+    with tempfile.TemporaryDirectory() as folder:
+        results["rows"] = [row for model in args.models for row in measure(model, args, threads, Path(folder))]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "long_context.json").write_text(json.dumps(results, indent=2) + "\n")
     plot(results, args.out / "long_context.png")

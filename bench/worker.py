@@ -19,8 +19,15 @@ import time
 import numpy as np
 
 
-def prompts(vocab: int, batch: int, length: int) -> list[list[int]]:
-    return np.random.default_rng(0).integers(3, vocab, (batch, length)).tolist()
+def prompts(vocab: int, batch: int, length: int, text: str | None = None) -> list[list[int]]:
+    """`batch` prompts of `length` tokens: the first of the token ids saved in `text` (.npy) for every row, or
+    random ids where there is no text."""
+    if text is None:
+        return np.random.default_rng(0).integers(3, vocab, (batch, length)).tolist()
+    ids = np.load(text)
+    if len(ids) < length:
+        raise ValueError(f"{text} holds {len(ids)} tokens, fewer than a {length}-token prompt")
+    return [ids[:length].tolist()] * batch
 
 
 def eager_runner(model_name: str, cache: str, threads: int):
@@ -64,8 +71,8 @@ def generate_runner(model, options: dict):
         def end(self):
             pass
 
-    def run(batch: int, prompt: int, new_tokens: int) -> dict:
-        ids = torch.tensor(prompts(model.config.vocab_size, batch, prompt), device=model.device)
+    def run(batch: int, prompt: int, new_tokens: int, text: str | None = None) -> dict:
+        ids = torch.tensor(prompts(model.config.vocab_size, batch, prompt, text), device=model.device)
         streamer = FirstToken()
         start = time.perf_counter()
         with torch.no_grad():
@@ -87,14 +94,14 @@ def genai_runner(folder: str, threads: int):
     with open(f"{folder}/genai_config.json") as config:
         vocab = json.load(config)["model"]["vocab_size"]
 
-    def run(batch: int, prompt: int, new_tokens: int) -> dict:
+    def run(batch: int, prompt: int, new_tokens: int, text: str | None = None) -> dict:
         if batch != 1:
             raise ValueError("the onnxruntime-genai peer runs batch 1 only")
         params = og.GeneratorParams(model)
         params.set_search_options(max_length=prompt + new_tokens, min_length=prompt + new_tokens, do_sample=False)
         start = time.perf_counter()
         generator = og.Generator(model, params)
-        generator.append_tokens(np.array(prompts(vocab, 1, prompt), dtype=np.int32))
+        generator.append_tokens(np.array(prompts(vocab, 1, prompt, text), dtype=np.int32))
         generator.generate_next_token()
         first = time.perf_counter()
         produced = 1
@@ -115,9 +122,9 @@ def runtime_runner(artifact: str, threads: int):
 
     generator = Generator.open(artifact, SessionOptions(provider="cpu", intra_op_threads=threads))
 
-    def run(batch: int, prompt: int, new_tokens: int) -> dict:
+    def run(batch: int, prompt: int, new_tokens: int, text: str | None = None) -> dict:
         config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens)
-        result = generator.generate(prompts(generator.artifact.vocab_size, batch, prompt), config)
+        result = generator.generate(prompts(generator.artifact.vocab_size, batch, prompt, text), config)
         steps = new_tokens - 1
         decode_s = result.wall_s - result.time_to_first_token_s
         return {
@@ -146,7 +153,7 @@ def read_floor_runner(model_name: str, threads: int):
     del model
     floats_per_position = config.num_hidden_layers * (2 * config.kv_heads * config.head_dim + config.num_heads)
 
-    def run(batch: int, prompt: int, new_tokens: int) -> dict:
+    def run(batch: int, prompt: int, new_tokens: int, text: str | None = None) -> dict:  # a step reads no text
         mean_filled = prompt + new_tokens // 2
         step_bytes = weight_bytes + batch * mean_filled * floats_per_position * 4  # float32 keys, values, gates
         data = torch.ones(step_bytes // 4)
