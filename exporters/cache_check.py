@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from exporters.validate import DECODE_STEPS, PROMPT_LENGTH, TOLERANCES, validation_prompt
-from runtime.artifact import SessionOptions
+from runtime.artifact import ROW_HEADS_AXIS, ROWS_AXIS, SessionOptions
 from runtime.buffers import HOST_TYPES
 from runtime.generator import GenerationConfig, Generator
 
@@ -64,7 +64,9 @@ def check_cache(folder: Path, batch: int = 2) -> CacheCheck:
             feeds["cache_position"] = np.arange(filled, filled + ids.shape[1], dtype=np.int64)
         logits, *outputs = session.run(None, feeds)
         for entry, value in zip(presents, outputs, strict=True):
-            sizes = {"batch": batch, "total": filled + ids.shape[1]}
+            # At the default window offsets a pruned graph folds no heads into rows
+            rows = {ROWS_AXIS: batch, ROW_HEADS_AXIS: manifest["model"]["num_kv_heads"]}
+            sizes = {"batch": batch, "total": filled + ids.shape[1], **rows}
             shape = tuple(sizes.get(a, a) for a in entry["axes"])
             if value.shape != shape or value.dtype != HOST_TYPES[entry["dtype"]]:
                 check.failure = (

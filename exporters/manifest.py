@@ -16,6 +16,7 @@ from exporters.contract import CACHE_FIELDS, PAST_TEMPLATE, PRESENT_TEMPLATE, Ca
 from exporters.last_logits import KEPT_AXIS
 from exporters.last_logits import NAME as LOGITS_TO_KEEP
 from exporters.window_offsets import NAME as WINDOW_OFFSETS
+from runtime.artifact import ROW_HEADS_AXIS, ROWS_AXIS
 
 MANIFEST_NAME = "kvg_config.json"
 FORMAT_VERSION = 2  # 2: a static graph's attention_mask is the attention window, not the buffer
@@ -39,15 +40,18 @@ def _io_entry(name: str, dtype: str, axes: list) -> dict:
     return {"name": name, "dtype": dtype, "axes": axes}
 
 
-def graph_io(config, layout: CacheLayout, dtype: str, max_cache_len: int | None) -> tuple[list, list]:
-    """The graph's inputs and outputs as the contract defines them: name, dtype and axes (names or sizes)."""
+def graph_io(
+    config, layout: CacheLayout, dtype: str, max_cache_len: int | None, folded: bool = False
+) -> tuple[list, list]:  # fmt: skip
+    """The graph's inputs and outputs as the contract defines them: name, dtype and axes (names or sizes);
+    `folded`: a run may fold the present keys' and values' heads into rows (exporters/window_offsets.py)."""
     heads, kv_heads, head_dim = config.num_heads, config.kv_heads, config.head_dim
     length_in, length_out = (max_cache_len, max_cache_len) if layout.static else ("past", "total")
 
-    def cache_entry(name: str, field: str, length) -> dict:
+    def cache_entry(name: str, field: str, length, rows: list) -> dict:
         axes = {
-            "key": ["batch", kv_heads, length, head_dim],
-            "value": ["batch", kv_heads, length, head_dim],
+            "key": [*rows, length, head_dim],
+            "value": [*rows, length, head_dim],
             "gate": ["batch", heads, length],
         }.get(field, ["batch", kv_heads * head_dim])
         return _io_entry(name, "float32" if field == "gate" else dtype, axes)
@@ -59,9 +63,10 @@ def graph_io(config, layout: CacheLayout, dtype: str, max_cache_len: int | None)
     if layout.static:
         inputs.append(_io_entry("cache_position", "int64", ["seq"]))
     fields = layout.fields * layout.num_layers
-    inputs += [cache_entry(n, f, length_in) for n, f in zip(layout.past_names(), fields, strict=True)]
+    rows_in, rows_out = ["batch", kv_heads], [ROWS_AXIS, ROW_HEADS_AXIS] if folded else ["batch", kv_heads]
+    inputs += [cache_entry(n, f, length_in, rows_in) for n, f in zip(layout.past_names(), fields, strict=True)]
     outputs = [_io_entry("logits", "float32", ["batch", KEPT_AXIS, config.vocab_size])]
-    outputs += [cache_entry(n, f, length_out) for n, f in zip(layout.present_names(), fields, strict=True)]
+    outputs += [cache_entry(n, f, length_out, rows_out) for n, f in zip(layout.present_names(), fields, strict=True)]
     return inputs, outputs
 
 
@@ -72,7 +77,7 @@ def build_manifest(
 ) -> dict:  # fmt: skip
     """`attention`: "standard" (ONNX MatMul and Softmax, any provider) or "gqa" (onnxruntime's CPU
     GroupQueryAttention, which cannot take a chunk of a prompt after the first for batch > 1)."""
-    inputs, outputs = graph_io(config, layout, dtype, max_cache_len)
+    inputs, outputs = graph_io(config, layout, dtype, max_cache_len, folded=window_offsets)
     eos = config.eos_token_id
     return {
         "format_version": FORMAT_VERSION,
@@ -100,9 +105,10 @@ def build_manifest(
         "names": {"past": PAST_TEMPLATE, "present": PRESENT_TEMPLATE, "fields": list(CACHE_FIELDS)},
         "inputs": inputs,
         # inputs with a default (ONNX initializers that are also inputs), fed only to change it: in a pruned export
-        # window_offsets, zeros (exporters/window_offsets.py); logits_to_keep, 0 (every position's logits) unless
-        # fed n > 0 (the last n)
-        "optional_inputs": [_io_entry(WINDOW_OFFSETS, "int64", [config.num_hidden_layers])] * window_offsets
+        # window_offsets, zeros (exporters/window_offsets.py, which also folds its present keys and values);
+        # logits_to_keep, 0 (every position's logits) unless fed n > 0 (the last n)
+        "optional_inputs": [_io_entry(WINDOW_OFFSETS, "int64", [config.num_hidden_layers, config.kv_heads])]
+        * window_offsets
         + [_io_entry(LOGITS_TO_KEEP, "int64", [1])],
         "outputs": outputs,
         "special_tokens": {

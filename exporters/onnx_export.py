@@ -25,7 +25,7 @@ from exporters.last_logits import keep_last_logits
 from exporters.lean_gates import lean_gates
 from exporters.translations import translations
 from exporters.window_offsets import NAME as WINDOW_OFFSETS
-from exporters.window_offsets import default_to_zeros
+from exporters.window_offsets import default_to_zeros, name_present_axes
 from exporters.wrappers import ExportableFox
 from kvg_export import FoxForCausalLM
 
@@ -53,7 +53,7 @@ def example_inputs(model: FoxForCausalLM, layout: CacheLayout, max_cache_len: in
 
 def dynamic_shapes(layout: CacheLayout, max_batch: int, max_seq: int, window_offsets: bool) -> dict:
     """Shapes by the wrapper's parameters: input_ids, attention_mask, one tuple for its `*rest`, and its
-    window_offsets when the graph takes them (one per layer: a fixed shape)."""
+    window_offsets when the graph takes them (one per layer and kv head: a fixed shape)."""
     batch = Dim("batch", min=1, max=max_batch)
     seq = Dim("seq", min=1, max=max_seq)
     if layout.static:
@@ -85,7 +85,11 @@ def export_program(
     example = example_inputs(model, layout, max_cache_len)
     max_seq = max_cache_len if layout.static else DYNAMIC_MAX_POSITIONS
     shapes = dynamic_shapes(layout, max_batch, max_seq, window_offsets)
-    offsets = {WINDOW_OFFSETS: torch.zeros(layout.num_layers, dtype=torch.long)} if window_offsets else {}
+    offsets = (
+        {WINDOW_OFFSETS: torch.zeros(layout.num_layers, model.config.kv_heads, dtype=torch.long)}
+        if window_offsets
+        else {}
+    )
     with torch.no_grad():
         wrapper = ExportableFox(model, layout, in_place_attention)
         program = torch.export.export(wrapper, example, offsets, dynamic_shapes=shapes, strict=False)
@@ -102,7 +106,7 @@ def _axis_names(layout: CacheLayout, name: str) -> list[str | None]:
     if name == "cache_position":
         return ["seq"]
     if name == WINDOW_OFFSETS:
-        return [None]
+        return [None, None]
     if name.endswith("shift"):
         return ["batch", None]
     if name.endswith("gate"):
@@ -162,7 +166,8 @@ def lower_to_onnx(
     leaner = lean_gates(onnx_program.model)
     written_in_place = scatter_in_place(graph)
     if window_offsets:
-        default_to_zeros(graph, layout.num_layers)
+        default_to_zeros(graph)
+        name_present_axes(graph)
     keep_last_logits(graph)
     weights_file.save(onnx_program.model, path)
     return joined, norms, leaner, written_in_place

@@ -53,7 +53,9 @@ def record(
     # Separate buffers per system: a static cache is written in place, by eager and by the program alike.
     pasts = {"eager": zeros, "program": [t.clone() for t in zeros]}
     in_place = any(node.op == "placeholder" and node.name == WINDOW_OFFSETS for node in program.graph.nodes)
-    offsets = {WINDOW_OFFSETS: torch.zeros(layout.num_layers, dtype=torch.long)} if in_place else {}
+    offsets = (
+        {WINDOW_OFFSETS: torch.zeros(layout.num_layers, model.config.kv_heads, dtype=torch.long)} if in_place else {}
+    )
     tokens, full_mask, start = ids, mask, 0
     for _ in range(DECODE_STEPS + 1):
         stop = full_mask.shape[1]

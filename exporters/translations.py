@@ -10,6 +10,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import onnx_ir as ir
+import onnxscript
 import torch
 from onnx.defs import OpSchema, get_schema
 from onnxscript import INT32
@@ -67,22 +71,130 @@ def _group_query_attention_schema() -> OpSchema:
 GROUP_QUERY_ATTENTION = Op(Opset("com.microsoft", 1), "GroupQueryAttention", _group_query_attention_schema())
 
 
+MINIMUM = float(torch.finfo(torch.float32).min)
+
+
 def lower_group_query_attention(
-    query, key, value, key_cache, value_cache, bias, allowed, cache_position, heads: int, kv_heads: int
+    query, key, value, key_cache, value_cache, bias, allowed, cache_position, starts, heads: int, kv_heads: int
 ):  # fmt: skip
     """Every row's last new key goes to the last cache position (`seqlens_k`); the window is the total
     length attended, and left padding is masked in the bias, which also carries FoX's gate sums. The
     lengths come from inputs every layer shares, so onnxruntime computes them once. GroupQueryAttention's
-    default scale is FoX's."""
-
+    default scale is FoX's. With `starts`, where the heads' rows start apart the heads are folded into rows
+    (see `Folding`); GroupQueryAttention takes a chunk of a prompt after the first for one row only, so a
+    prompt's chunks need the layer's heads together."""
     total = op.Cast(op.Shape(allowed, start=3, end=4), to=INT32.dtype)  # one element, as onnxruntime accepts
     last = op.Slice(cache_position, op.Constant(value_ints=[-1]), op.Constant(value_ints=[1 << 62]))
-    seqlens = op.Cast(op.Expand(last, op.Shape(allowed, start=0, end=1)), to=INT32.dtype)
-    masked = op.Where(allowed, bias, op.Constant(value_float=float(torch.finfo(torch.float32).min)))
-    return GROUP_QUERY_ATTENTION(
-        query, key, value, key_cache, value_cache, seqlens, total, None, None, None, op.CastLike(masked, query),
-        num_heads=heads, kv_num_heads=kv_heads,
-    )  # fmt: skip
+
+    def one_window(masked, shift=None):  # every head's rows start `shift` (None: no) slots into the window
+        rows = op.Shape(query, start=0, end=1)
+        seqlens = op.Cast(op.Expand(last if shift is None else op.Sub(last, shift), rows), to=INT32.dtype)
+        return GROUP_QUERY_ATTENTION(
+            query, key, value, key_cache, value_cache, seqlens, total, None, None, None, op.CastLike(masked, query),
+            num_heads=heads, kv_num_heads=kv_heads,
+        )  # fmt: skip
+
+    if starts is None:
+        return one_window(op.Where(allowed, bias, op.Constant(value_float=MINIMUM)))
+    fold = Folding(query, starts, heads, kv_heads)
+    masked = fold.masked(bias, allowed)
+
+    def apart():
+        out, present_key, present_value = GROUP_QUERY_ATTENTION(
+            fold.states(query), fold.states(key), fold.states(value), fold.cache(key_cache), fold.cache(value_cache),
+            op.Cast(fold.per_row(op.Sub(last, starts)), to=INT32.dtype), total, None, None, None,
+            op.CastLike(fold.rows(masked), query), num_heads=heads // kv_heads, kv_num_heads=1,
+        )  # fmt: skip
+        return fold.output(out), present_key, present_value
+
+    return fold.either(lambda: one_window(fold.heads(masked), fold.earliest), apart)
+
+
+class Folding:
+    """Heads folded into rows, where a layer's heads' rows start at different slots (forget-gate pruning): row
+    b * kv_heads + h holds batch row b's kv head h (its query heads the row's heads), so that an attention op's
+    per-row lengths are per head. A cache buffer `[batch, kv_heads, length, head_dim]` is the same memory as
+    `[batch * kv_heads, 1, length, head_dim]`, and the op's folded present is the graph's output as it is (a
+    Reshape back would copy the whole buffer: onnxruntime writes a graph output in place only where the op
+    itself produces it). An If picks the form: folded where the heads' starts differ, else as one window."""
+
+    def __init__(self, query, starts, heads: int, kv_heads: int):
+        self.query, self.starts, self.kv_heads, self.group = query, starts, kv_heads, heads // kv_heads
+        self.batch = op.Shape(query, start=0, end=1)
+        self.earliest = op.ReduceMin(starts, keepdims=1)
+        self.together = op.Equal(op.ReduceMax(starts, keepdims=0), op.ReduceMin(starts, keepdims=0))
+
+    def either(self, together: Callable[[], tuple], apart: Callable[[], tuple]) -> tuple:
+        """An If on whether every head's rows start at one slot: `together()`'s outputs (attention output, present
+        key and value) if they do, else `apart()`'s, each built into its own branch. The exporter records ops into
+        whichever recorder is the default, so each branch is recorded by a new one of the same kind."""
+        recorder = onnxscript.evaluator.default()
+
+        def branch(name: str, build: Callable[[], tuple]) -> ir.Graph:
+            inner = type(recorder)(recorder.opset, {})
+            with onnxscript.evaluator.default_as(inner):
+                outputs = build()
+            for output, rank in zip(outputs, (3, 4, 4), strict=True):
+                output.dtype, output.shape = self.query.dtype, ir.Shape([None] * rank)
+            return ir.Graph(inputs=[], outputs=list(outputs), nodes=inner.nodes, name=name)
+
+        branches = {"then_branch": branch("together", together), "else_branch": branch("apart", apart)}
+        chosen = ir.node("If", [self.together], branches, num_outputs=3)
+        recorder.nodes.append(chosen)
+        for output, rank in zip(chosen.outputs, (3, 4, 4), strict=True):
+            output.dtype, output.shape = self.query.dtype, ir.Shape([None] * rank)
+        return tuple(chosen.outputs)
+
+    @property
+    def row_count(self):
+        return op.Mul(self.batch, op.Constant(value_ints=[self.kv_heads]))
+
+    def states(self, states):
+        """`[batch, seq, kv_heads * width]` -> `[rows, seq, width]`."""
+        split = op.Reshape(states, op.Constant(value_ints=[0, 0, self.kv_heads, -1]))
+        shape = op.Concat(self.row_count, op.Shape(states, start=1, end=2), op.Constant(value_ints=[-1]), axis=0)
+        return op.Reshape(op.Transpose(split, perm=[0, 2, 1, 3]), shape)
+
+    def output(self, out):
+        """`[rows, seq, width]` -> `[batch, seq, kv_heads * width]`."""
+        shape = op.Concat(
+            self.batch, op.Constant(value_ints=[self.kv_heads]), op.Shape(self.query, start=1, end=2),
+            op.Constant(value_ints=[-1]), axis=0,
+        )  # fmt: skip
+        return op.Reshape(op.Transpose(op.Reshape(out, shape), perm=[0, 2, 1, 3]), op.Constant(value_ints=[0, 0, -1]))
+
+    def cache(self, cache):
+        """`[batch, kv_heads, length, head_dim]` -> `[rows, 1, length, head_dim]`, the same memory."""
+        shape = op.Concat(self.row_count, op.Constant(value_ints=[1]), op.Shape(cache, start=2, end=4), axis=0)
+        return op.Reshape(cache, shape)
+
+    def per_row(self, per_head):
+        """`[kv_heads]` -> `[rows]`."""
+        return op.Tile(per_head, self.batch)
+
+    def masked(self, bias, allowed):
+        """The bias `[batch, heads, seq or 1, window]` where `allowed` `[batch, kv_heads, seq, window]`, else
+        float32's minimum, as `[batch, kv_heads, group, seq, window]` (for `rows` or `heads` to view)."""
+        by_head = op.Concat(op.Constant(value_ints=[0, self.kv_heads, self.group, -1]), op.Shape(bias, start=3, end=4),
+                            axis=0)  # fmt: skip
+        return op.Where(op.Unsqueeze(allowed, op.Constant(value_ints=[2])), op.Reshape(bias, by_head),
+                        op.Constant(value_float=MINIMUM))  # fmt: skip
+
+    def rows(self, masked):
+        """`masked` as `[rows, group, seq, window]`."""
+        return op.Reshape(masked, op.Concat(self.row_count, op.Constant(value_ints=[self.group]),
+                                            op.Shape(masked, start=3, end=5), axis=0))  # fmt: skip
+
+    def heads(self, masked):
+        """`masked` as `[batch, heads, seq, window]`."""
+        shape = op.Concat(self.batch, op.Constant(value_ints=[self.kv_heads * self.group]),
+                          op.Shape(masked, start=3, end=5), axis=0)  # fmt: skip
+        return op.Reshape(masked, shape)
+
+    def by_group(self, rows):
+        """`[rows, seq, group * head_dim]` -> `[rows, group, seq, head_dim]`."""
+        split = op.Reshape(rows, op.Constant(value_ints=[0, 0, self.group, -1]))
+        return op.Transpose(split, perm=[0, 2, 1, 3])
 
 
 ONNX_24 = Opset("", 24)
@@ -91,34 +203,62 @@ ATTENTION = Op(ONNX_24, "Attention", get_schema("Attention", 24))
 
 
 def lower_onnx_attention(
-    query, key, value, key_cache, value_cache, bias, allowed, cache_position, heads: int, kv_heads: int
+    query, key, value, key_cache, value_cache, bias, allowed, cache_position, starts, heads: int, kv_heads: int
 ):  # fmt: skip
     """Each row's new keys and values go to the buffer from `cache_position[0]` on; Attention then reads
     the buffer's first `window` slots of every row (`nonpad_kv_seqlen`), so slots after the window are
     neither copied nor attended. The op's mask must span the whole buffer: the bias is padded with float32's
     minimum. The later slots of the window are masked here (Attention's own is_causal aligns the chunk to
-    the window's start, not its end)."""
-    minimum = op.Constant(value_float=float(torch.finfo(torch.float32).min))
+    the window's start, not its end). With `starts`, the heads are folded into rows where they start apart,
+    as for GroupQueryAttention."""
+    minimum = op.Constant(value_float=MINIMUM)
     window = op.Shape(allowed, start=3, end=4)
-    rows = op.Shape(allowed, start=0, end=1)
-    start = op.Slice(cache_position, op.Constant(value_ints=[0]), op.Constant(value_ints=[1]))
-
-    def per_head(states, count: int):  # [batch, seq, count * head_dim] -> [batch, count, seq, head_dim]
-        return op.Transpose(op.Reshape(states, op.Constant(value_ints=[0, 0, count, -1])), perm=[0, 2, 1, 3])
-
-    present_key = TENSOR_SCATTER(key_cache, per_head(key, kv_heads), op.Expand(start, rows), axis=2)
-    present_value = TENSOR_SCATTER(value_cache, per_head(value, kv_heads), op.Expand(start, rows), axis=2)
     slots = op.Range(op.Constant(value_int=0), op.Squeeze(window), op.Constant(value_int=1))
-    earlier = op.LessOrEqual(slots, op.Unsqueeze(cache_position, op.Constant(value_ints=[-1])))  # [seq, window]
-    masked = op.Where(op.And(allowed, earlier), bias, minimum)
-    after = op.Sub(op.Shape(key_cache, start=2, end=3), window)
-    pads = op.Concat(op.Constant(value_ints=[0, 0, 0, 0, 0, 0, 0]), after, axis=0)
-    mask = op.CastLike(op.Pad(masked, pads, minimum), query)
-    out = ATTENTION(
-        per_head(query, heads), present_key, present_value, mask, None, None, op.Expand(window, rows)
-    )[0]  # fmt: skip
-    joined = op.Reshape(op.Transpose(out, perm=[0, 2, 1, 3]), op.Constant(value_ints=[0, 0, -1]))
-    return joined, present_key, present_value
+    start = op.Slice(cache_position, op.Constant(value_ints=[0]), op.Constant(value_ints=[1]))
+    pads = op.Concat(op.Constant(value_ints=[0, 0, 0, 0, 0, 0, 0]), op.Sub(op.Shape(key_cache, start=2, end=3), window),
+                     axis=0)  # fmt: skip
+
+    def one_window(masked, shift=None):  # every head's rows start `shift` (None: no) slots into the window
+        rows = op.Shape(query, start=0, end=1)
+        written = op.Expand(start if shift is None else op.Sub(start, shift), rows)
+
+        def per_head(states, count: int):  # [batch, seq, count * head_dim] -> [batch, count, seq, head_dim]
+            return op.Transpose(op.Reshape(states, op.Constant(value_ints=[0, 0, count, -1])), perm=[0, 2, 1, 3])
+
+        present_key = TENSOR_SCATTER(key_cache, per_head(key, kv_heads), written, axis=2)
+        present_value = TENSOR_SCATTER(value_cache, per_head(value, kv_heads), written, axis=2)
+        mask = op.CastLike(op.Pad(masked, pads, minimum), query)
+        out = ATTENTION(per_head(query, heads), present_key, present_value, mask, None, None, op.Expand(window, rows))
+        return _joined(out[0]), present_key, present_value
+
+    if starts is None:
+        earlier = op.LessOrEqual(slots, op.Unsqueeze(cache_position, op.Constant(value_ints=[-1])))  # [seq, window]
+        return one_window(op.Where(op.And(allowed, earlier), bias, minimum))
+    fold = Folding(query, starts, heads, kv_heads)
+    # [kv_heads, seq]: each head's own slots
+    own = op.Sub(op.Unsqueeze(cache_position, op.Constant(value_ints=[0])),
+                 op.Unsqueeze(starts, op.Constant(value_ints=[-1])))  # fmt: skip
+    earlier = op.LessOrEqual(slots, op.Unsqueeze(own, op.Constant(value_ints=[-1])))  # [kv_heads, seq, window]
+    masked = fold.masked(bias, op.And(allowed, earlier))
+
+    def apart():
+        one_head = op.Constant(value_ints=[1])
+        written = fold.per_row(op.Sub(start, starts))
+        present_key = TENSOR_SCATTER(fold.cache(key_cache), op.Unsqueeze(fold.states(key), one_head), written, axis=2)
+        present_value = TENSOR_SCATTER(fold.cache(value_cache), op.Unsqueeze(fold.states(value), one_head), written,
+                                       axis=2)  # fmt: skip
+        last = op.Slice(cache_position, op.Constant(value_ints=[-1]), op.Constant(value_ints=[1 << 62]))
+        mask = op.CastLike(op.Pad(fold.rows(masked), pads, minimum), query)
+        lengths = fold.per_row(op.Add(op.Sub(last, starts), one_head))
+        out = ATTENTION(fold.by_group(fold.states(query)), present_key, present_value, mask, None, None, lengths)
+        return fold.output(_joined(out[0])), present_key, present_value
+
+    return fold.either(lambda: one_window(fold.heads(masked), fold.earliest), apart)
+
+
+def _joined(out):
+    """Attention's `[rows, heads, seq, head_dim]` as `[rows, seq, heads * head_dim]`."""
+    return op.Reshape(op.Transpose(out, perm=[0, 2, 1, 3]), op.Constant(value_ints=[0, 0, -1]))
 
 
 def translations(attention: str) -> dict:

@@ -1,11 +1,20 @@
-"""An optional graph input, `window_offsets`, by which forget-gate pruning shortens each layer's window.
+"""An optional graph input, `window_offsets`, by which forget-gate pruning shortens each head's window, and the
+folded present keys and values that come with it.
 
-Forget-gate pruning (runtime/pruning.py) drops each layer's oldest cached slots as far as that layer's heads
-allow, so the layers' buffers start at different positions. `window_offsets` (int64 `[layers]`) says how many
-slots into the attention window (the mask) each layer's buffers start: layer i attends the window without its
-first `window_offsets[i]` slots, and writes the new tokens that many slots lower (see
-`ForgettingAttention._own_window`). Its default is zeros, every layer at the window's start, so a consumer that
-never feeds it runs the graph as the contract describes. Only in-place attention takes it.
+Forget-gate pruning (runtime/pruning.py) drops each head's oldest cached slots as far as that head allows, so
+the heads' rows of a buffer start at different positions. `window_offsets` (int64 `[layers, kv_heads]`) says how
+many slots into the attention window (the mask) each layer's kv head's rows start: head h of layer i attends
+the window without its first `window_offsets[i, h]` slots, and writes the new tokens that many slots lower (see
+`ForgettingAttention._attend_in_place`). Its default is zeros, every head at the window's start, so a consumer
+that never feeds it runs the graph as the contract describes. Only in-place attention takes it.
+
+So that the attention reads each head's own slots alone, a layer whose heads' rows start apart folds the heads
+into rows (see `exporters/translations.Folding`), and its present keys and values are then the folded buffers the
+op writes, `[batch * kv_heads, 1, length, head_dim]`: the same memory as the past's `[batch, kv_heads, length,
+head_dim]`, which a runtime binds as both, in the shape that layer's run gives (ROWS and ROW_HEADS name the two
+axes). A layer whose heads start together, as they do at the default, gives the past's shape. GroupQueryAttention
+cannot take a folded chunk of a prompt after its first, so a runtime keeps each layer's heads together while it
+prefills, and lets them part in the decode steps.
 """
 
 from __future__ import annotations
@@ -13,11 +22,22 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from runtime.artifact import ROW_HEADS_AXIS, ROWS_AXIS
 from runtime.pruning import WINDOW_OFFSETS as NAME
 
 
-def default_to_zeros(graph: ir.Graph, layers: int) -> None:
+def default_to_zeros(graph: ir.Graph) -> None:
     """Give the traced input its default, in place."""
     offsets = next(value for value in graph.inputs if value.name == NAME)
-    offsets.const_value = ir.tensor(np.zeros(layers, dtype=np.int64), name=NAME)
+    offsets.const_value = ir.tensor(np.zeros(offsets.shape.numpy(), dtype=np.int64), name=NAME)
     graph.register_initializer(offsets)
+
+
+def name_present_axes(graph: ir.Graph) -> None:
+    """Declare each present key and value `[ROWS, ROW_HEADS, length, head_dim]` (its past's length and head_dim)."""
+    pasts = {value.name: value for value in graph.inputs}
+    for value in graph.outputs:
+        if value.name.startswith("present.") and value.name.endswith((".key", ".value")):
+            past = pasts[value.name.replace("present.", "past_key_values.", 1)]
+            length = "total" if isinstance(past.shape[2], ir.SymbolicDim) else past.shape[2]
+            value.shape = ir.Shape([ROWS_AXIS, ROW_HEADS_AXIS, length, past.shape[3]])

@@ -23,6 +23,14 @@ def is_tracing() -> bool:
     return torch.compiler.is_compiling()
 
 
+def gate_slots(cache_kwargs: dict, device: torch.device) -> torch.Tensor:
+    """Where the new gates go, `[1, heads or 1, seq]`: cache_kwargs' `cache_position`, less each head's window
+    start where the heads' buffers start apart (`head_starts` `[heads]`, see `fox/modeling.py`'s `_own_windows`)."""
+    slots = cache_kwargs["cache_position"].to(device).view(1, 1, -1)
+    starts = cache_kwargs.get("head_starts")
+    return slots if starts is None else slots - starts.to(device).view(1, -1, 1)
+
+
 def check_states(layer: GatedLayer, key_states: torch.Tensor, value_states: torch.Tensor, gate_states: torch.Tensor):
     """Refuse an update whose shapes or dtypes do not fit each other or what the layer already holds."""
     if key_states.ndim != 4:
@@ -125,8 +133,8 @@ class GatedLayer(ABC):
 
     @abstractmethod
     def update_gates(self, key_states, value_states, gate_states, cache_kwargs=None):
-        """As `update`, but store only the gates, at cache_kwargs' `cache_position` in a buffer at least its
-        `window` long: the keys and values are left to a kernel that writes them into the buffers itself
+        """As `update`, but store only the gates, at cache_kwargs' `cache_position` (see `gate_slots`) in a buffer
+        at least its `window` long: the keys and values are left to a kernel that writes them into the buffers itself
         (see `fox/in_place_attention.py`) and hands back the updated buffers through `set_keys_values`.
         Returns the keys and values before the update and the gates after it."""
 
@@ -224,10 +232,9 @@ class DynamicLayer(GatedLayer):
         positions grows by the new ones, and a longer one, which a runtime may bind as past and present,
         keeps its length."""
         self._check_and_allocate(key_states, value_states, gate_states)
-        positions, window = cache_kwargs["cache_position"], cache_kwargs["window"]
-        held = self.gates.shape[-1]
+        held, window = self.gates.shape[-1], cache_kwargs["window"]
         grown = F.pad(self.gates, (0, torch.sym_max(held, window) - held))
-        self.gates = grown.scatter(-1, positions.view(1, 1, -1).expand_as(gate_states), gate_states)
+        self.gates = grown.scatter(-1, gate_slots(cache_kwargs, grown.device).expand_as(gate_states), gate_states)
         return self.keys, self.values, self.gates
 
     def update(self, key_states, value_states, gate_states, cache_kwargs=None):
@@ -338,9 +345,8 @@ class StaticLayer(GatedLayer):
             self._check_positions(cache_position, key_states.shape[2])
         if self.keys is None:
             self.lazy_initialization(key_states, gate_states)
-        positions = cache_position.to(self.keys.device)
-        self.gates.scatter_(2, positions.view(1, 1, -1).expand_as(gate_states), gate_states)
-        return positions
+        self.gates.scatter_(2, gate_slots(cache_kwargs, self.keys.device).expand_as(gate_states), gate_states)
+        return cache_position.to(self.keys.device)
 
     def update(self, key_states, value_states, gate_states, cache_kwargs=None):
         seq_index = self._store_gates(key_states, value_states, gate_states, cache_kwargs).view(1, 1, -1, 1)

@@ -18,6 +18,8 @@ SUPPORTED_FORMAT = 2
 ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int64)": "int64",
              "tensor(bfloat16)": "bfloat16"}  # fmt: skip
 PROVIDERS = {"cuda": "CUDAExecutionProvider", "cpu": "CPUExecutionProvider"}
+# A present key's or value's first two axes where a run may fold its heads into rows (see `Artifact.folds`)
+ROWS_AXIS, ROW_HEADS_AXIS = "rows", "row_heads"
 
 
 class ArtifactError(Exception):
@@ -223,3 +225,10 @@ class Artifact:
 
     def input_spec(self, name: str) -> dict:
         return next(e for e in self.manifest["inputs"] if e["name"] == name)
+
+    def folds(self, present: str) -> bool:
+        """Whether output `present` is a key or value buffer that a run whose layer's heads start apart gives
+        with its heads folded into rows, `[batch * kv_heads, 1, length, head_dim]` (exporters/window_offsets.py):
+        the past's buffer is then bound to it in that shape."""
+        entry = next(e for e in self.manifest["outputs"] if e["name"] == present)
+        return entry["axes"][0] == ROWS_AXIS

@@ -52,25 +52,32 @@ def write_back(value: ort.OrtValue, host: np.ndarray, dtype: str, device: str) -
         value.update_inplace(host)
 
 
-def move_slots(value: ort.OrtValue, dtype: str, device: str, rows, begin: int, end: int, to: int) -> None:
-    """Move slots [begin, end) of `rows` (an index of the leading axis) to start at slot `to`; the slots are the
-    third axis (keys, values `[batch, heads, slots, dim]`, gates `[batch, heads, slots]`)."""
+def move_slots(
+    value: ort.OrtValue, dtype: str, device: str, rows, begin: int, end: int, to: int, heads=slice(None)
+) -> None:  # fmt: skip
+    """Move slots [begin, end) of `rows` (an index of the leading axis) and `heads` (of the second) to start at
+    slot `to`; the slots are the third axis (keys, values `[batch, heads, slots, dim]`, gates `[batch, heads,
+    slots]`)."""
     held = to_host(value, dtype)
     slot_bytes = held.strides[2]
     for row in np.atleast_1d(np.arange(held.shape[0])[rows]):
-        for head in held[row]:  # one (row, head)'s slots are contiguous: memmove them, overlap or not, where numpy
-            # would copy overlapping slices through a temporary (about 3x slower on a long window)
-            ctypes.memmove(head.ctypes.data + to * slot_bytes, head.ctypes.data + begin * slot_bytes,
-                           (end - begin) * slot_bytes)  # fmt: skip
+        for head in np.atleast_1d(np.arange(held.shape[1])[heads]):
+            start = held[row, head].ctypes.data  # one (row, head)'s slots are contiguous: memmove them, overlap
+            # or not, where numpy would copy overlapping slices through a temporary (about 3x slower on a long window)
+            ctypes.memmove(start + to * slot_bytes, start + begin * slot_bytes, (end - begin) * slot_bytes)
     write_back(value, held, dtype, device)
 
 
-def bind_rows(bind, name: str, value: ort.OrtValue, dtype: str, device: str, first: int, count: int) -> None:
+def bind_rows(
+    bind, name: str, value: ort.OrtValue, dtype: str, device: str, first: int, count: int, folded: bool = False
+) -> None:  # fmt: skip
     """Bind rows [first, first + count) of `value` (batch its leading axis) as input or output `name` of a
-    binding (`bind`: its bind_input or bind_output), by address: a view, nothing copied."""
+    binding (`bind`: its bind_input or bind_output), by address: a view, nothing copied. `folded`: as the
+    same memory with its heads folded into the rows, `[count * heads, 1, ...]` (exporters/window_offsets.py)."""
     shape = value.shape()
     row_bytes = int(np.prod(shape[1:])) * item_size(dtype)
-    bind(name, device, 0, element_type(dtype), [count, *shape[1:]], value.data_ptr() + first * row_bytes)
+    bound = [count * shape[1], 1, *shape[2:]] if folded else [count, *shape[1:]]
+    bind(name, device, 0, element_type(dtype), bound, value.data_ptr() + first * row_bytes)
 
 
 def bind_row_state(

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"kvg-generate: {sum(map(len, result.tokens))} tokens, first after {first_ms:.1f} ms, "
         f"decode {result.decode_tokens_per_s:.1f} tokens/s"
-        + (f", oldest positions dropped by layer: {result.pruned_positions}" if generator.pruning else ""),
+        + (f", oldest positions dropped by layer and kv head: {result.pruned_positions}" if generator.pruning else ""),
         file=sys.stderr,
     )
     return 0

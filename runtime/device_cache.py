@@ -20,7 +20,7 @@ import onnxruntime as ort
 
 from runtime import buffers
 from runtime.artifact import Artifact
-from runtime.pruning import WINDOW_OFFSETS, PruningError, needed_slots
+from runtime.pruning import WINDOW_OFFSETS, PruningError, droppable
 
 PRUNE_EVERY = 64  # decode steps between two prunings (each sums every head's gates over the window)
 
@@ -56,12 +56,20 @@ class DeviceCache:
             if past in self.in_place:
                 self.layer_buffers[index // fields].append(past)
         self.gate_names = artifact.gate_names()
+        # Each layer's present keys and values that its runs give folded while its heads' windows start apart
+        self.folding = {present: index // len(artifact.manifest["cache"]["fields"])
+                        for index, (past, present) in enumerate(self.pairs)
+                        if past in self.in_place and artifact.folds(present)}  # fmt: skip
         limit = artifact.manifest["cache"]["max_cache_len"]
         self.capacity = limit if in_place else None  # the slots a pruned request may fill (None: any number)
         self.thresholds: np.ndarray | None = None  # per layer and head, while a pruned request runs
-        # Each layer's own window, where the graph takes window_offsets (exporters/window_offsets.py)
-        self.by_layer = artifact.takes(WINDOW_OFFSETS)
-        self.offsets = np.zeros(layers, dtype=np.int64)  # window_offsets: each layer's start past `offset`
+        # Where the graph takes window_offsets (exporters/window_offsets.py), each head's own window, or each
+        # layer's in an artifact exported before heads had theirs; else one window for all
+        offsets = next((e for e in artifact.manifest.get("optional_inputs", []) if e["name"] == WINDOW_OFFSETS), None)
+        self.windows = "one" if offsets is None else "head" if len(offsets["axes"]) == 2 else "layer"
+        self.heads = artifact.manifest["model"]["num_kv_heads"]
+        self.offsets = np.zeros(offsets["axes"] if offsets else layers, dtype=np.int64)  # window_offsets: each
+        # window's start past `offset`
         self.offsets_value = ort.OrtValue.ortvalue_from_numpy(self.offsets)  # bound once, read at every run
         self.reset()
 
@@ -94,7 +102,7 @@ class DeviceCache:
         Pruning stops until `prune_with` starts it again.
         """
         self.thresholds = None
-        self.dropped = np.zeros(len(self.gate_names), dtype=np.int64)  # positions each layer dropped
+        self.dropped = np.zeros((len(self.gate_names), self.heads), dtype=np.int64)  # positions each head dropped
         self.offsets[:] = 0
         self.pruned_at = 0  # the filled positions when slots were last dropped
         self.counted = 0  # the window start up to which `window_mask` has counted the dropped positions
@@ -111,7 +119,7 @@ class DeviceCache:
 
     @property
     def offset(self) -> int:
-        """Positions dropped from the front of every layer's buffers: where the attention window starts."""
+        """Positions dropped from the front of every head's buffer rows: where the attention window starts."""
         return int(self.dropped.min())
 
     def window_mask(self, mask: np.ndarray, end: int) -> np.ndarray:
@@ -130,48 +138,77 @@ class DeviceCache:
     def make_room(self, filled: int, new: int, rows) -> int:
         """Before a run of up to `new` positions after `filled`: drop (when pruning) the slots that `rows` (those
         still generating) no longer need, at least every PRUNE_EVERY positions, every chunk of a prompt and
-        whenever the new ones would not fit otherwise; each layer as far as its own heads allow, where the graph
-        takes window_offsets, else every layer as far as all heads allow. Returns how many of the `new` positions
-        fit (all, without pruning: `Generator.check_request` saw to that); raises PruningError naming the head
-        that leaves no room for one."""
+        whenever the new ones would not fit otherwise; each kv head as far as its own query heads allow where
+        the graph takes each head's window (but for a prompt's chunk, which needs each layer's heads together),
+        else each layer or all of them as far as all of theirs do. Returns
+        how many of the `new` positions fit (all, without pruning: `Generator.check_request` saw to that);
+        raises PruningError naming the head that leaves no room for one."""
         if self.thresholds is None:
             return new
-        slots = filled - self.dropped  # per layer
+        slots = filled - self.dropped  # per layer and kv head
         full = self.capacity is not None and slots.max() + new > self.capacity
         if not (full or new > 1 or filled - self.pruned_at >= PRUNE_EVERY):
             return new
         self.pruned_at = filled
-        gates = [
-            buffers.to_host(self.past[name], "float32")[rows, :, :held]
-            for name, held in zip(self.gate_names, slots, strict=True)
-        ]
-        needs = needed_slots(gates, self.thresholds)  # [layers, heads]
-        kept = needs.max(1) if self.by_layer else np.full(len(needs), needs.max())  # per layer
+        needs = self._needs(slots, rows)  # [layers, heads]
+        group = needs.shape[1] // self.heads
+        kept = needs.reshape(len(needs), self.heads, group).max(-1)  # per layer and kv head
+        if self.windows == "one":
+            kept[:] = kept.max()
+        elif self.windows == "layer" or new > 1:  # a prompt's chunk runs with each layer's heads together
+            kept[:] = kept.max(1, keepdims=True)
         room = new if self.capacity is None else min(new, self.capacity - int(kept.max()))
         if room < 1:
             raise PruningError.no_room(needs, self.thresholds, self.capacity)
-        for layer, names in enumerate(self.layer_buffers):
-            drop = int(slots[layer] - kept[layer])
-            for past in names if drop > 0 else ():
-                dtype = self.artifact.input_spec(past)["dtype"]
-                buffers.move_slots(self.past[past], dtype, self.device, slice(None), drop, int(slots[layer]), 0)
-            self.dropped[layer] += max(drop, 0)
-        self.offsets[:] = self.dropped - self.offset
+        for (layer, head), drop in np.ndenumerate(slots - kept):
+            if drop > 0:
+                self._drop(layer, head, group, int(drop), int(slots[layer, head]))
+        offsets = self.dropped - self.offset
+        self.offsets[:] = offsets if self.windows == "head" else offsets[:, 0]
+        self.moved = True  # a layer's presents may now come folded, or no longer (see `_folded`)
         return room
+
+    def _needs(self, slots: np.ndarray, rows) -> np.ndarray:
+        """How many of its newest slots each query head still needs in some of `rows`, `[layers, heads]`
+        (`slots`: what each kv head's rows hold)."""
+        needs = np.zeros(self.thresholds.shape, dtype=np.int64)
+        for (layer, query), threshold in np.ndenumerate(self.thresholds):
+            held = slots[layer, query // (needs.shape[1] // self.heads)]
+            gates = buffers.to_host(self.past[self.gate_names[layer]], "float32")[rows, query : query + 1, :held]
+            needs[layer, query] = held - droppable(gates, np.array([threshold])).min()
+        return needs
+
+    def _drop(self, layer: int, head: int, group: int, drop: int, held: int) -> None:
+        """Move kv head `head`'s kept slots of `layer` (and its query heads' gates) to the front of its rows."""
+        for past in self.layer_buffers[layer]:
+            dtype = self.artifact.input_spec(past)["dtype"]
+            heads = slice(head * group, (head + 1) * group) if past in self.gate_names else head
+            buffers.move_slots(self.past[past], dtype, self.device, slice(None), drop, held, 0, heads)
+        self.dropped[layer, head] += drop
 
     @property
     def feeds_back(self) -> bool:
         """Whether `advance` needs the step's outputs."""
         return bool(self.fed_back)
 
+    def _folded(self, present: str) -> bool:
+        """Whether the next run gives `present` folded: its layer's heads' windows start apart."""
+        layer = self.folding.get(present)
+        return layer is not None and self.offsets[layer].min() != self.offsets[layer].max()
+
     def bind(self, binding: ort.IOBinding) -> None:
         """Bind every past input and present output (after `logits`, which the caller binds first)."""
         self.moved = False
-        if self.by_layer:
+        if self.windows != "one":
             binding.bind_ortvalue_input(WINDOW_OFFSETS, self.offsets_value)
         for past, present in self.pairs:
             binding.bind_ortvalue_input(past, self.past[past])
-            if past in self.in_place:
+            if self._folded(present):
+                dtype = self.artifact.input_spec(past)["dtype"]
+                buffers.bind_rows(
+                    binding.bind_output, present, self.past[past], dtype, self.device, 0, self.batch, True
+                )
+            elif past in self.in_place:
                 binding.bind_ortvalue_output(present, self.past[past])
             elif past in self.swapped:
                 binding.bind_ortvalue_output(present, self.spare[past])

@@ -60,7 +60,7 @@ class GenerationResult:
     onnxruntime_s: float  # time inside session runs; the rest of the wall time is the loop's own
     decode_onnxruntime_s: float  # the part of onnxruntime_s spent in decode steps (after the first token)
     wall_s: float
-    pruned_positions: list[int]  # per layer, the oldest positions forget-gate pruning dropped by the end
+    pruned_positions: list[list[int]]  # per layer and kv head, the oldest positions pruning dropped by the end
     step_logits: list[np.ndarray] = field(default_factory=list, repr=False)  # when asked: [batch, vocab] per step
 
 

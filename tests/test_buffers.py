@@ -63,11 +63,13 @@ def test_moving_slots_equals_copying_them_out_first_overlapping_or_not():
     rng = np.random.default_rng(0)
     for shape in ([3, 2, 12, 4], [3, 2, 12]):
         for dtype in ("float32", "bfloat16"):
-            for rows in (slice(None), 1, [0, 2]):
+            for rows, heads in ((slice(None), slice(None)), (1, 0), ([0, 2], slice(1, 2))):
                 for begin, end, to in ((5, 11, 0), (2, 9, 1), (0, 4, 6), (3, 7, 3)):
                     data = rng.integers(0, 1000, shape).astype(buffers.HOST_TYPES[dtype])
                     value = buffers.from_host(data.copy(), dtype, "cpu")
-                    buffers.move_slots(value, dtype, "cpu", rows, begin, end, to)
+                    buffers.move_slots(value, dtype, "cpu", rows, begin, end, to, heads)
                     expected = data.copy()
-                    expected[rows, :, to : to + end - begin] = data[rows, :, begin:end].copy()
+                    for row in np.atleast_1d(np.arange(shape[0])[rows]):
+                        for head in np.atleast_1d(np.arange(shape[1])[heads]):
+                            expected[row, head, to : to + end - begin] = data[row, head, begin:end]
                     np.testing.assert_array_equal(buffers.to_host(value, dtype), expected)

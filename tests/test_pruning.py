@@ -127,7 +127,7 @@ def test_a_pruned_artifact_generates_the_exact_tokens_past_its_slots(artifacts, 
         generator = Generator.open(folder, CPU)
         assert generator.pruning.log_tolerance == TOLERANCE
         result = generator.generate(rows, config, keep_logits=True)
-        assert min(result.pruned_positions) > 0
+        assert np.min(result.pruned_positions) > 0
         assert result.tokens == expected.tokens
         assert_within_the_bound(model, result.step_logits, expected.step_logits)
 
@@ -159,7 +159,7 @@ def test_a_trained_preset_as_make_export_makes_it_prunes_held_out_text_within_th
     config = GenerationConfig(max_new_tokens=64, min_new_tokens=64)
     result = generator.generate([prompt], config, keep_logits=True)
     expected = Generator.open(artifact, CPU, None).generate([prompt], config, keep_logits=True)
-    assert result.pruned_positions[0] > 1024
+    assert min(result.pruned_positions[0]) > 1024
     assert result.tokens == expected.tokens
     assert_within_the_bound(load_model("fox-pro-py"), result.step_logits, expected.step_logits)
 
@@ -185,10 +185,11 @@ def test_every_dropped_key_decays_below_its_threshold_in_every_head(artifacts):
     positions = ids.shape[1]
     bounds = torch.tensor(score_bounds(model), dtype=torch.float64)
     thresholds = TOLERANCE - 2 * bounds - math.log(PROMPT + NEW - 1)
+    group = model.config.num_heads // model.config.kv_heads
     for layer, layer_gates in gates.items():
-        dropped = result.pruned_positions[layer]
-        assert dropped > 0
         for head in range(model.config.num_heads):
+            dropped = result.pruned_positions[layer][head // group]  # by its kv head
+            assert dropped > 0
             decay = layer_gates[head, dropped:positions].sum()  # after the last dropped key
             assert decay < thresholds[layer, head], (layer, head)
 
@@ -205,9 +206,11 @@ def test_static_artifacts_of_other_attention_graphs_prune_too(artifacts, tmp_pat
     row, config = prompts(model.config.vocab_size), GenerationConfig(max_new_tokens=NEW, min_new_tokens=NEW)
     result = generator.generate(row, config, keep_logits=True)
     expected = Generator.open(exact, CPU).generate(row, config, keep_logits=True)
-    assert min(result.pruned_positions) > 0
-    if attention == "standard":  # one window for every layer
-        assert len(set(result.pruned_positions)) == 1
+    assert np.min(result.pruned_positions) > 0
+    if attention == "standard":  # one window for every head of every layer
+        assert len(np.unique(result.pruned_positions)) == 1
+    else:  # each head its own
+        assert all(len(set(layer)) > 1 for layer in result.pruned_positions)
     assert result.tokens == expected.tokens
     assert_within_the_bound(model, result.step_logits, expected.step_logits)
 
@@ -266,17 +269,19 @@ def test_a_served_request_whose_head_keeps_more_than_the_slots_fails_naming_it(u
     assert f"head 3 still weighs all of its last {SLOTS} positions" in end.message
 
 
-def test_each_layer_drops_as_far_as_its_own_heads_allow(tmp_path):
-    """Layer 0 forgets within tokens, layer 1 hardly at all: layer 0's window shrinks while layer 1 keeps every
-    position, and the tokens and logits are those of the same artifact run without pruning."""
-    model = forgetting("fox-pro-tiny", layers=[FORGETTING, [3.0] * 4])
+def test_each_head_drops_as_far_as_it_allows(tmp_path):
+    """Layer 0's first three heads forget within tokens and its last hardly at all, nor does layer 1: those three
+    heads' windows shrink while the others keep every position (in one window per layer, none could shrink), and
+    the tokens and logits are those of the same artifact run without pruning."""
+    model = forgetting("fox-pro-tiny", layers=[[*FORGETTING[:3], 3.0], [3.0] * 4])
     model.save_pretrained(tmp_path / "checkpoint")
     options = ExportOptions(str(tmp_path / "checkpoint"), tmp_path / "dynamic", log_pruning_tolerance=TOLERANCE)
     folder = export_artifact(options, log=lambda line: None).path
     row, config = prompts(model.config.vocab_size), GenerationConfig(max_new_tokens=NEW, min_new_tokens=NEW)
     result = Generator.open(folder, CPU).generate(row, config, keep_logits=True)
     expected = Generator.open(folder, CPU, None).generate(row, config, keep_logits=True)
-    assert result.pruned_positions[0] > PROMPT and result.pruned_positions[1] == 0
+    assert min(result.pruned_positions[0][:3]) > PROMPT
+    assert result.pruned_positions[0][3] == 0 and result.pruned_positions[1] == [0] * 4
     assert result.tokens == expected.tokens
     assert_within_the_bound(model, result.step_logits, expected.step_logits)
 

@@ -29,33 +29,44 @@ def group_query_attention(
     bias: torch.Tensor,
     allowed: torch.Tensor,
     cache_position: torch.Tensor,
+    starts: torch.Tensor | None,
     heads: int,
     kv_heads: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """query `[batch, seq, heads*head_dim]`; key, value `[batch, seq, kv_heads*head_dim]`; key_cache,
     value_cache `[batch, kv_heads, past, head_dim]`; bias `[batch, heads, seq or 1, window]` float32, added to
-    the scaled scores where `allowed` `[batch, 1, seq, window]` is true and the key's slot is not after the
-    query's (the other scores become float32's minimum; every query must be allowed some key);
+    the scaled scores where `allowed` `[batch, 1 or kv_heads, seq, window]` is true and the key's slot is not
+    after the query's (the other scores become float32's minimum; every query must be allowed some key);
     cache_position `[seq]`, the consecutive slots inside the window that the new keys and values go to.
     Like GroupQueryAttention, the op masks the later slots itself, so `allowed` need not.
 
+    `starts` `[kv_heads]` (or None: all 0): kv head h's rows of the caches begin `starts[h]` slots into the
+    window (forget-gate pruning dropped the slots before), so its new keys and values go to slots
+    `cache_position - starts[h]` of its rows, and `bias` and `allowed` are in each head's own slots, `window`
+    the longest head's. A row holding one head's slots is what the exporter hands onnxruntime (heads folded
+    into rows, each with its own length), so that no head reads another's longer window.
+
     Returns the attention output `[batch, seq, heads*head_dim]` and the updated caches, `max(past,
-    window)` long, whose slots after the window are zero, as onnxruntime leaves them when past and
+    window)` long, whose slots after each head's window are zero, as onnxruntime leaves them when past and
     present are separate buffers (the runtime binds one buffer to both, and no slot after the window is
     read).
     """
     batch, seq, _ = query.shape
     window, head_dim = allowed.shape[-1], key_cache.shape[-1]
-    start = int(cache_position[0])
+    begins = torch.zeros(kv_heads, dtype=torch.long) if starts is None else starts.cpu()
+    slots = cache_position.cpu().unsqueeze(0) - begins.unsqueeze(-1)  # [kv_heads, seq]: each head's own slots
     caches = []
     for cache, new in ((key_cache, key), (value_cache, value)):
         grown = cache.new_zeros(batch, kv_heads, max(cache.shape[2], window), head_dim)
-        grown[:, :, :start] = cache[:, :, :start]
-        grown[:, :, start : start + seq] = new.view(batch, seq, kv_heads, head_dim).transpose(1, 2)
+        new = new.view(batch, seq, kv_heads, head_dim).transpose(1, 2)
+        for head, first in enumerate(slots[:, 0].tolist()):
+            grown[:, head, :first] = cache[:, head, :first]
+            grown[:, head, first : first + seq] = new[:, head]
         caches.append(grown)
     queries = query.view(batch, seq, heads, head_dim).transpose(1, 2)
-    earlier = torch.arange(window, device=query.device) <= cache_position.unsqueeze(-1)  # [seq, window]
-    mask = torch.where(allowed & earlier, bias, torch.finfo(torch.float32).min).to(query.dtype)
+    earlier = torch.arange(window) <= slots.unsqueeze(-1)  # [kv_heads, seq, window]
+    visible = (allowed & earlier.to(allowed.device)).repeat_interleave(heads // kv_heads, dim=1)
+    mask = torch.where(visible, bias, torch.finfo(torch.float32).min).to(query.dtype)
     out = F.scaled_dot_product_attention(
         queries, caches[0][:, :, :window], caches[1][:, :, :window], attn_mask=mask, enable_gqa=True
     )
@@ -63,7 +74,7 @@ def group_query_attention(
 
 
 @group_query_attention.register_fake
-def _(query, key, value, key_cache, value_cache, bias, allowed, cache_position, heads, kv_heads):
+def _(query, key, value, key_cache, value_cache, bias, allowed, cache_position, starts, heads, kv_heads):
     batch, kv_heads_, past, head_dim = key_cache.shape
     # A static buffer's length is a number no window exceeds (attention_pattern refuses a longer mask); a
     # dynamic past's is symbolic, and the window may be longer

@@ -18,7 +18,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from kvg_export.cache import DynamicCache, GatedCache, StaticCache
-from kvg_export.cache_layers import SHIFT_FIELDS, is_tracing
+from kvg_export.cache_layers import SHIFT_FIELDS, gate_slots, is_tracing
 from kvg_export.fox.attention import decay_after, forgetting_attention
 from kvg_export.fox.configuration import FoxConfig
 from kvg_export.fox.in_place_attention import group_query_attention
@@ -124,9 +124,8 @@ class ForgettingAttention(nn.Module):
         if keep is not None:
             log_gates = log_gates * keep[:, None, :].float()
         if in_place:
-            if window_offsets is not None:
-                allowed, cache_position = self._own_window(allowed, cache_position, window_offsets)
-            out = self._attend_in_place(query, keys, values, log_gates, cache_position, allowed, cache)
+            starts = None if window_offsets is None else window_offsets[self.layer_idx]
+            out = self._attend_in_place(query, keys, values, log_gates, cache_position, allowed, cache, starts)
         else:
             out = self._attend(query, keys, values, log_gates, cache_position, allowed, cache)
         if self.config.use_output_norm:
@@ -159,19 +158,12 @@ class ForgettingAttention(nn.Module):
             keys, values, log_gates = keys[:, :, :window], values[:, :, :window], log_gates[..., :window]
         return forgetting_attention(query, keys, values, log_gates, cache_position, allowed).transpose(1, 2).flatten(2)
 
-    def _own_window(self, allowed, cache_position, window_offsets) -> tuple[torch.Tensor, torch.Tensor]:
-        """The window and slots of this layer's buffers, which start `window_offsets[layer]` slots into the
-        attention window (forget-gate pruning drops each layer's oldest slots as its heads allow): the pattern
-        without its first columns, the new tokens' slots that many lower."""
-        start = window_offsets[self.layer_idx].item()
-        torch._check(start >= 0)
-        torch._check(start <= allowed.shape[-1])
-        return allowed[..., start:], cache_position - start
-
-    def _attend_in_place(self, query, keys, values, log_gates, cache_position, allowed, cache) -> torch.Tensor:
+    def _attend_in_place(self, query, keys, values, log_gates, cache_position, allowed, cache, starts=None):
         """A step as one `kvg::group_query_attention` op, which the exporter lowers to onnxruntime's
         GroupQueryAttention: it writes the new keys and values into the cache buffer itself and reads only
-        the window. Takes and returns the `[batch, seq, heads * head_dim]` layout."""
+        the window. `starts` (int64 `[kv_heads]`, or None: all 0): where each kv head's buffer rows begin in the
+        window, forget-gate pruning having dropped each head's oldest slots as far as that head allows; the
+        op then reads each head's own slots alone. Takes and returns the `[batch, seq, heads * head_dim]` layout."""
         if cache is None:
             raise ValueError("in_place_attention needs a cache to write to")
         batch, seq = query.shape[:2]
@@ -181,20 +173,49 @@ class ForgettingAttention(nn.Module):
             if not torch.equal(cache_position.cpu(), torch.arange(first, first + seq)):
                 raise ValueError("in-place attention writes the new tokens to consecutive cache positions")
         per_head = (t.unflatten(-1, (self.kv_heads, self.head_dim)).transpose(1, 2) for t in (keys, values))
-        key_cache, value_cache, gates = cache.update_gates(
-            *per_head, log_gates, self.layer_idx, {"cache_position": cache_position, "window": window}
-        )
-        decay = decay_after(gates[..., :window])  # c_last - c_j
+        written = {"cache_position": cache_position, "window": window}
+        if starts is not None:
+            earliest = starts.min().item()
+            torch._check(earliest >= 0)
+            torch._check(earliest <= window)
+            written |= {
+                "window": window - earliest,
+                "head_starts": starts.repeat_interleave(self.heads // self.kv_heads),
+            }
+        key_cache, value_cache, gates = cache.update_gates(*per_head, log_gates, self.layer_idx, written)
+        gates = gates[..., : written["window"]]
+        if starts is not None:  # slots past a head's own window hold what pruning moved out of them
+            gates = torch.where(own_slots(written["head_starts"], window, gates.shape[-1]), gates, 0.0)
+            allowed = head_windows(allowed, starts, gates.shape[-1])
+        decay = decay_after(gates)  # c_last - c_j
         bias = decay.unsqueeze(2)  # one row for every query: softmax ignores each row's c_last - c_i
         if query.dtype != torch.float32:  # where fp16 or bf16 would round that constant into every score
-            bias = bias - decay.index_select(-1, cache_position).unsqueeze(-1)  # c_i - c_j
+            queries_at = gate_slots(written, decay.device).expand(batch, self.heads, seq)
+            bias = bias - decay.gather(-1, queries_at).unsqueeze(-1)  # c_i - c_j
         if allowed.shape[0] != batch:  # a pattern without a mask is shared by the rows; the op takes one per row
             allowed = allowed.expand(batch, -1, -1, -1)
         out, key_cache, value_cache = group_query_attention(
-            query, keys, values, key_cache, value_cache, bias, allowed, cache_position, self.heads, self.kv_heads
-        )
+            query, keys, values, key_cache, value_cache, bias, allowed, cache_position, starts, self.heads,
+            self.kv_heads,
+        )  # fmt: skip
         cache.set_keys_values(self.layer_idx, key_cache, value_cache)
         return out
+
+
+def own_slots(starts: torch.Tensor, window: int, width: int) -> torch.Tensor:
+    """`[len(starts), width]`: which of its buffer's first `width` slots hold a head's window, the head's rows
+    beginning `starts[h]` slots into a `window` of slots."""
+    return torch.arange(width, device=starts.device) < (window - starts).unsqueeze(-1)
+
+
+def head_windows(allowed: torch.Tensor, starts: torch.Tensor, width: int) -> torch.Tensor:
+    """The attention pattern `[batch or 1, 1, seq, window]` in each kv head's own slots, `[batch or 1, kv_heads,
+    seq, width]`: slot s of head h is window slot s + starts[h], and a slot past the head's window is not allowed."""
+    window = allowed.shape[-1]
+    columns = torch.arange(width, device=allowed.device) + starts.unsqueeze(-1)  # [kv_heads, width]
+    picked = allowed[:, 0].index_select(-1, columns.clamp(max=window - 1).flatten())
+    picked = picked.unflatten(-1, columns.shape).transpose(1, 2)
+    return picked & own_slots(starts, window, width).unsqueeze(1)
 
 
 class FoxBlock(nn.Module):
@@ -316,8 +337,9 @@ class FoxModel(FoxPreTrainedModel):
     ) -> BaseModelOutputWithPast:
         """`in_place_attention`: attend through `kvg::group_query_attention`, the form the exporter lowers to
         onnxruntime's GroupQueryAttention; the attention window is then the mask's length, as for a static
-        cache, and must end with the new tokens. `window_offsets` (int64 `[layers]`, in-place attention only):
-        layer i's buffers start that many slots into the window (see `ForgettingAttention._own_window`)."""
+        cache, and must end with the new tokens. `window_offsets` (int64 `[layers, kv_heads]`, in-place attention
+        only): the rows of layer i's head h start that many slots into the window (see
+        `ForgettingAttention._attend_in_place`)."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         hidden = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
