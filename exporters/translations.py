@@ -83,7 +83,8 @@ def lower_group_query_attention(
     default scale is FoX's. With `starts`, where the heads' rows start apart the heads are folded into rows
     (see `Folding`); GroupQueryAttention takes a chunk of a prompt after the first for one row only, so a
     prompt's chunks need the layer's heads together."""
-    total = op.Cast(op.Shape(allowed, start=3, end=4), to=INT32.dtype)  # one element, as onnxruntime accepts
+    # One element, as onnxruntime accepts; with `starts`, the longest head's window (the bias's width)
+    total = op.Cast(op.Shape(allowed if starts is None else bias, start=3, end=4), to=INT32.dtype)
     last = op.Slice(cache_position, op.Constant(value_ints=[-1]), op.Constant(value_ints=[1 << 62]))
 
     def one_window(masked, shift=None):  # every head's rows start `shift` (None: no) slots into the window
@@ -97,17 +98,20 @@ def lower_group_query_attention(
     if starts is None:
         return one_window(op.Where(allowed, bias, op.Constant(value_float=MINIMUM)))
     fold = Folding(query, starts, heads, kv_heads)
-    masked = fold.masked(bias, allowed)
 
     def apart():
+        masked = fold.masked(bias, fold.head_windows(allowed, bias))
         out, present_key, present_value = GROUP_QUERY_ATTENTION(
             fold.states(query), fold.states(key), fold.states(value), fold.cache(key_cache), fold.cache(value_cache),
             op.Cast(fold.per_row(op.Sub(last, starts)), to=INT32.dtype), total, None, None, None,
-            op.CastLike(fold.rows(masked), query), num_heads=heads // kv_heads, kv_num_heads=1,
+            op.CastLike(masked, query), num_heads=heads // kv_heads, kv_num_heads=1,
         )  # fmt: skip
         return fold.output(out), present_key, present_value
 
-    return fold.either(lambda: one_window(fold.heads(masked), fold.earliest), apart)
+    def together():
+        return one_window(op.Where(fold.shifted(allowed), bias, op.Constant(value_float=MINIMUM)), fold.earliest)
+
+    return fold.either(together, apart)
 
 
 class Folding:
@@ -172,24 +176,33 @@ class Folding:
         """`[kv_heads]` -> `[rows]`."""
         return op.Tile(per_head, self.batch)
 
+    def shifted(self, allowed):
+        """The pattern `[batch, 1, seq, window]` from the slot where every head's rows start (all at one)."""
+        return op.Slice(allowed, self.earliest, op.Constant(value_ints=[1 << 62]), op.Constant(value_ints=[3]))
+
+    def head_windows(self, allowed, bias):
+        """The pattern `[batch, 1, seq, window]` in each kv head's own slots, `[batch, kv_heads, 1, seq, width]`
+        (`width`: the bias's, the longest head's window): slot s of head h is the window's slot s + starts[h],
+        and a slot past the head's window is not allowed (as `kvg_export/fox/in_place_attention.head_windows`).
+        A slice per head: a Gather of single elements costs about 30x as much."""
+        width = op.Shape(bias, start=3, end=4)
+        beyond = op.ConstantOfShape(op.Concat(op.Shape(allowed, start=0, end=3), width, axis=0),
+                                    value=ir.tensor([False]))  # fmt: skip
+        padded = op.Concat(allowed, beyond, axis=3)
+        rows = []
+        for head in range(self.kv_heads):
+            begin = op.Slice(self.starts, op.Constant(value_ints=[head]), op.Constant(value_ints=[head + 1]))
+            rows.append(op.Slice(padded, begin, op.Add(begin, width), op.Constant(value_ints=[3])))
+        return op.Unsqueeze(op.Concat(*rows, axis=1), op.Constant(value_ints=[2]))
+
     def masked(self, bias, allowed):
-        """The bias `[batch, heads, seq or 1, window]` where `allowed` `[batch, kv_heads, seq, window]`, else
-        float32's minimum, as `[batch, kv_heads, group, seq, window]` (for `rows` or `heads` to view)."""
+        """The bias `[batch, heads, seq or 1, width]` where `allowed` `[batch, kv_heads, 1, seq, width]`, else
+        float32's minimum, as `[rows, group, seq, width]`."""
         by_head = op.Concat(op.Constant(value_ints=[0, self.kv_heads, self.group, -1]), op.Shape(bias, start=3, end=4),
                             axis=0)  # fmt: skip
-        return op.Where(op.Unsqueeze(allowed, op.Constant(value_ints=[2])), op.Reshape(bias, by_head),
-                        op.Constant(value_float=MINIMUM))  # fmt: skip
-
-    def rows(self, masked):
-        """`masked` as `[rows, group, seq, window]`."""
+        masked = op.Where(allowed, op.Reshape(bias, by_head), op.Constant(value_float=MINIMUM))
         return op.Reshape(masked, op.Concat(self.row_count, op.Constant(value_ints=[self.group]),
                                             op.Shape(masked, start=3, end=5), axis=0))  # fmt: skip
-
-    def heads(self, masked):
-        """`masked` as `[batch, heads, seq, window]`."""
-        shape = op.Concat(self.batch, op.Constant(value_ints=[self.kv_heads * self.group]),
-                          op.Shape(masked, start=3, end=5), axis=0)  # fmt: skip
-        return op.Reshape(masked, shape)
 
     def by_group(self, rows):
         """`[rows, seq, group * head_dim]` -> `[rows, group, seq, head_dim]`."""
@@ -212,7 +225,7 @@ def lower_onnx_attention(
     the window's start, not its end). With `starts`, the heads are folded into rows where they start apart,
     as for GroupQueryAttention."""
     minimum = op.Constant(value_float=MINIMUM)
-    window = op.Shape(allowed, start=3, end=4)
+    window = op.Shape(allowed if starts is None else bias, start=3, end=4)  # with `starts`, the longest head's
     slots = op.Range(op.Constant(value_int=0), op.Squeeze(window), op.Constant(value_int=1))
     start = op.Slice(cache_position, op.Constant(value_ints=[0]), op.Constant(value_ints=[1]))
     pads = op.Concat(op.Constant(value_ints=[0, 0, 0, 0, 0, 0, 0]), op.Sub(op.Shape(key_cache, start=2, end=3), window),
@@ -235,25 +248,30 @@ def lower_onnx_attention(
         earlier = op.LessOrEqual(slots, op.Unsqueeze(cache_position, op.Constant(value_ints=[-1])))  # [seq, window]
         return one_window(op.Where(op.And(allowed, earlier), bias, minimum))
     fold = Folding(query, starts, heads, kv_heads)
-    # [kv_heads, seq]: each head's own slots
-    own = op.Sub(op.Unsqueeze(cache_position, op.Constant(value_ints=[0])),
-                 op.Unsqueeze(starts, op.Constant(value_ints=[-1])))  # fmt: skip
-    earlier = op.LessOrEqual(slots, op.Unsqueeze(own, op.Constant(value_ints=[-1])))  # [kv_heads, seq, window]
-    masked = fold.masked(bias, op.And(allowed, earlier))
 
     def apart():
+        # [kv_heads, 1, seq, window]: no key after the query in each head's own slots
+        own = op.Sub(op.Unsqueeze(cache_position, op.Constant(value_ints=[0])),
+                     op.Unsqueeze(starts, op.Constant(value_ints=[-1])))  # fmt: skip
+        earlier = op.LessOrEqual(slots, op.Unsqueeze(own, op.Constant(value_ints=[1, -1])))
+        masked = fold.masked(bias, op.And(fold.head_windows(allowed, bias), earlier))
         one_head = op.Constant(value_ints=[1])
         written = fold.per_row(op.Sub(start, starts))
         present_key = TENSOR_SCATTER(fold.cache(key_cache), op.Unsqueeze(fold.states(key), one_head), written, axis=2)
         present_value = TENSOR_SCATTER(fold.cache(value_cache), op.Unsqueeze(fold.states(value), one_head), written,
                                        axis=2)  # fmt: skip
         last = op.Slice(cache_position, op.Constant(value_ints=[-1]), op.Constant(value_ints=[1 << 62]))
-        mask = op.CastLike(op.Pad(fold.rows(masked), pads, minimum), query)
+        mask = op.CastLike(op.Pad(masked, pads, minimum), query)
         lengths = fold.per_row(op.Add(op.Sub(last, starts), one_head))
         out = ATTENTION(fold.by_group(fold.states(query)), present_key, present_value, mask, None, None, lengths)
         return fold.output(_joined(out[0])), present_key, present_value
 
-    return fold.either(lambda: one_window(fold.heads(masked), fold.earliest), apart)
+    def together():
+        shifted = op.Sub(cache_position, fold.earliest)
+        earlier = op.LessOrEqual(slots, op.Unsqueeze(shifted, op.Constant(value_ints=[-1])))  # [seq, window]
+        return one_window(op.Where(op.And(fold.shifted(allowed), earlier), bias, minimum), fold.earliest)
+
+    return fold.either(together, apart)
 
 
 def _joined(out):

@@ -35,16 +35,17 @@ def group_query_attention(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """query `[batch, seq, heads*head_dim]`; key, value `[batch, seq, kv_heads*head_dim]`; key_cache,
     value_cache `[batch, kv_heads, past, head_dim]`; bias `[batch, heads, seq or 1, window]` float32, added to
-    the scaled scores where `allowed` `[batch, 1 or kv_heads, seq, window]` is true and the key's slot is not
-    after the query's (the other scores become float32's minimum; every query must be allowed some key);
+    the scaled scores where `allowed` `[batch, 1, seq, window]` is true and the key's slot is not after the
+    query's (the other scores become float32's minimum; every query must be allowed some key);
     cache_position `[seq]`, the consecutive slots inside the window that the new keys and values go to.
     Like GroupQueryAttention, the op masks the later slots itself, so `allowed` need not.
 
     `starts` `[kv_heads]` (or None: all 0): kv head h's rows of the caches begin `starts[h]` slots into the
     window (forget-gate pruning dropped the slots before), so its new keys and values go to slots
-    `cache_position - starts[h]` of its rows, and `bias` and `allowed` are in each head's own slots, `window`
-    the longest head's. A row holding one head's slots is what the exporter hands onnxruntime (heads folded
-    into rows, each with its own length), so that no head reads another's longer window.
+    `cache_position - starts[h]` of its rows, and `bias` is in each head's own slots, its width the longest
+    head's window (`allowed` stays the window's). A row holding one head's slots is what the exporter hands
+    onnxruntime where the heads start apart (heads folded into rows, each with its own length), so that no
+    head reads another's longer window.
 
     Returns the attention output `[batch, seq, heads*head_dim]` and the updated caches, `max(past,
     window)` long, whose slots after each head's window are zero, as onnxruntime leaves them when past and
@@ -52,7 +53,9 @@ def group_query_attention(
     read).
     """
     batch, seq, _ = query.shape
-    window, head_dim = allowed.shape[-1], key_cache.shape[-1]
+    window, head_dim = bias.shape[-1], key_cache.shape[-1]
+    if starts is not None:
+        allowed = head_windows(allowed, starts, window)
     begins = torch.zeros(kv_heads, dtype=torch.long) if starts is None else starts.cpu()
     slots = cache_position.cpu().unsqueeze(0) - begins.unsqueeze(-1)  # [kv_heads, seq]: each head's own slots
     caches = []
@@ -78,9 +81,25 @@ def _(query, key, value, key_cache, value_cache, bias, allowed, cache_position, 
     batch, kv_heads_, past, head_dim = key_cache.shape
     # A static buffer's length is a number no window exceeds (attention_pattern refuses a longer mask); a
     # dynamic past's is symbolic, and the window may be longer
-    length = past if isinstance(past, int) else torch.sym_max(past, allowed.shape[-1])
+    length = past if isinstance(past, int) else torch.sym_max(past, bias.shape[-1])
     return (
         torch.empty_like(query),
         key_cache.new_empty(batch, kv_heads_, length, head_dim),
         value_cache.new_empty(batch, kv_heads_, length, head_dim),
     )
+
+
+def own_slots(starts: torch.Tensor, window: int, width: int) -> torch.Tensor:
+    """`[len(starts), width]`: which of its buffer's first `width` slots hold a head's window, the head's rows
+    beginning `starts[h]` slots into a `window` of slots."""
+    return torch.arange(width, device=starts.device) < (window - starts).unsqueeze(-1)
+
+
+def head_windows(allowed: torch.Tensor, starts: torch.Tensor, width: int) -> torch.Tensor:
+    """The attention pattern `[batch, 1, seq, window]` in each kv head's own slots, `[batch, kv_heads, seq,
+    width]`: slot s of head h is window slot s + starts[h], and a slot past the head's window is not allowed."""
+    window = allowed.shape[-1]
+    columns = torch.arange(width, device=allowed.device) + starts.unsqueeze(-1)  # [kv_heads, width]
+    picked = allowed[:, 0].index_select(-1, columns.clamp(max=window - 1).flatten())
+    picked = picked.unflatten(-1, columns.shape).transpose(1, 2)
+    return picked & own_slots(starts, window, width).unsqueeze(1)

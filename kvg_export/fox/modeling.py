@@ -21,7 +21,7 @@ from kvg_export.cache import DynamicCache, GatedCache, StaticCache
 from kvg_export.cache_layers import SHIFT_FIELDS, gate_slots, is_tracing
 from kvg_export.fox.attention import decay_after, forgetting_attention
 from kvg_export.fox.configuration import FoxConfig
-from kvg_export.fox.in_place_attention import group_query_attention
+from kvg_export.fox.in_place_attention import group_query_attention, own_slots
 from kvg_export.fox.layers import QK_NORM_EPS, GatedMLP, HeadRMSNorm, RMSNorm, ShiftLinear, rotate
 
 # With a cache, a longer input runs through the layers in chunks of this many tokens, as the runtime prefills
@@ -186,7 +186,6 @@ class ForgettingAttention(nn.Module):
         gates = gates[..., : written["window"]]
         if starts is not None:  # slots past a head's own window hold what pruning moved out of them
             gates = torch.where(own_slots(written["head_starts"], window, gates.shape[-1]), gates, 0.0)
-            allowed = head_windows(allowed, starts, gates.shape[-1])
         decay = decay_after(gates)  # c_last - c_j
         bias = decay.unsqueeze(2)  # one row for every query: softmax ignores each row's c_last - c_i
         if query.dtype != torch.float32:  # where fp16 or bf16 would round that constant into every score
@@ -200,22 +199,6 @@ class ForgettingAttention(nn.Module):
         )  # fmt: skip
         cache.set_keys_values(self.layer_idx, key_cache, value_cache)
         return out
-
-
-def own_slots(starts: torch.Tensor, window: int, width: int) -> torch.Tensor:
-    """`[len(starts), width]`: which of its buffer's first `width` slots hold a head's window, the head's rows
-    beginning `starts[h]` slots into a `window` of slots."""
-    return torch.arange(width, device=starts.device) < (window - starts).unsqueeze(-1)
-
-
-def head_windows(allowed: torch.Tensor, starts: torch.Tensor, width: int) -> torch.Tensor:
-    """The attention pattern `[batch or 1, 1, seq, window]` in each kv head's own slots, `[batch or 1, kv_heads,
-    seq, width]`: slot s of head h is window slot s + starts[h], and a slot past the head's window is not allowed."""
-    window = allowed.shape[-1]
-    columns = torch.arange(width, device=allowed.device) + starts.unsqueeze(-1)  # [kv_heads, width]
-    picked = allowed[:, 0].index_select(-1, columns.clamp(max=window - 1).flatten())
-    picked = picked.unflatten(-1, columns.shape).transpose(1, 2)
-    return picked & own_slots(starts, window, width).unsqueeze(1)
 
 
 class FoxBlock(nn.Module):
