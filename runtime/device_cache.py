@@ -172,10 +172,12 @@ class DeviceCache:
         """How many of its newest slots each query head still needs in some of `rows`, `[layers, heads]`
         (`slots`: what each kv head's rows hold)."""
         needs = np.zeros(self.thresholds.shape, dtype=np.int64)
-        for (layer, query), threshold in np.ndenumerate(self.thresholds):
-            held = slots[layer, query // (needs.shape[1] // self.heads)]
-            gates = buffers.to_host(self.past[self.gate_names[layer]], "float32")[rows, query : query + 1, :held]
-            needs[layer, query] = held - droppable(gates, np.array([threshold])).min()
+        group = needs.shape[1] // self.heads
+        for layer, name in enumerate(self.gate_names):
+            gates = buffers.to_host(self.past[name], "float32")  # off the CPU a copy: once a layer
+            for query, threshold in enumerate(self.thresholds[layer]):
+                held = slots[layer, query // group]
+                needs[layer, query] = held - droppable(gates[rows, query : query + 1, :held], threshold[None]).min()
         return needs
 
     def _drop(self, layer: int, head: int, group: int, drop: int, held: int) -> None:
