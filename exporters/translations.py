@@ -124,9 +124,9 @@ class Folding:
 
     def __init__(self, query, starts, heads: int, kv_heads: int):
         self.query, self.starts, self.kv_heads, self.group = query, starts, kv_heads, heads // kv_heads
-        self.batch = op.Shape(query, start=0, end=1)
+        self.batch = op.Shape(query, start=0, end=1)  # outside the branches: the optimizer may merge both's
         self.earliest = op.ReduceMin(starts, keepdims=1)
-        self.together = op.Equal(op.ReduceMax(starts, keepdims=0), op.ReduceMin(starts, keepdims=0))
+        self.together = op.Equal(op.ReduceMax(starts, keepdims=1), self.earliest)  # one element, as If takes
 
     def either(self, together: Callable[[], tuple], apart: Callable[[], tuple]) -> tuple:
         """An If on whether every head's rows start at one slot: `together()`'s outputs (attention output, present

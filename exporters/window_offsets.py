@@ -6,7 +6,10 @@ the heads' rows of a buffer start at different positions. `window_offsets` (int6
 many slots into the attention window (the mask) each layer's kv head's rows start: head h of layer i attends
 the window without its first `window_offsets[i, h]` slots, and writes the new tokens that many slots lower (see
 `ForgettingAttention._attend_in_place`). Its default is zeros, every head at the window's start, so a consumer
-that never feeds it runs the graph as the contract describes. Only in-place attention takes it.
+that never feeds it runs the graph as the contract describes. Only in-place attention takes it. A consumer that
+feeds it keeps each head's gate slots past its window at zero: the graph sums a head's gates over the longest
+head's window (anything there would shift all of that head's scores alike, exact in arithmetic but not in
+float32).
 
 So that the attention reads each head's own slots alone, a layer whose heads' rows start apart folds the heads
 into rows (see `exporters/translations.Folding`), and its present keys and values are then the folded buffers the

@@ -53,18 +53,21 @@ def write_back(value: ort.OrtValue, host: np.ndarray, dtype: str, device: str) -
 
 
 def move_slots(
-    value: ort.OrtValue, dtype: str, device: str, rows, begin: int, end: int, to: int, heads=slice(None)
+    value: ort.OrtValue, dtype: str, device: str, rows, begin: int, end: int, to: int, heads=slice(None),
+    clear: bool = False,
 ) -> None:  # fmt: skip
     """Move slots [begin, end) of `rows` (an index of the leading axis) and `heads` (of the second) to start at
     slot `to`; the slots are the third axis (keys, values `[batch, heads, slots, dim]`, gates `[batch, heads,
-    slots]`)."""
+    slots]`). `clear`: zero the slots after the moved ones, up to `end`, that the move left behind."""
     held = to_host(value, dtype)
-    slot_bytes = held.strides[2]
+    slot_bytes, moved_end = held.strides[2], to + end - begin
     for row in np.atleast_1d(np.arange(held.shape[0])[rows]):
         for head in np.atleast_1d(np.arange(held.shape[1])[heads]):
             start = held[row, head].ctypes.data  # one (row, head)'s slots are contiguous: memmove them, overlap
             # or not, where numpy would copy overlapping slices through a temporary (about 3x slower on a long window)
             ctypes.memmove(start + to * slot_bytes, start + begin * slot_bytes, (end - begin) * slot_bytes)
+            if clear and moved_end < end:
+                ctypes.memset(start + moved_end * slot_bytes, 0, (end - moved_end) * slot_bytes)
     write_back(value, held, dtype, device)
 
 

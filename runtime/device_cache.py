@@ -101,13 +101,16 @@ class DeviceCache:
         0 * NaN is NaN. Everything else restarts from zero (shift states) or from empty every generation.
         Pruning stops until `prune_with` starts it again.
         """
-        self.thresholds = None
+        self.thresholds, self.moved = None, True
         self.dropped = np.zeros((len(self.gate_names), self.heads), dtype=np.int64)  # positions each head dropped
         self.offsets[:] = 0
         self.pruned_at = 0  # the filled positions when slots were last dropped
         self.counted = 0  # the window start up to which `window_mask` has counted the dropped positions
         for past, _ in self.pairs:
-            if past not in self.in_place or past not in self.past:
+            # Where heads keep windows of their own, a head's gate slots past its window enter its sums, which
+            # they leave exact only while zero: no generation's gates are left for the next one's
+            own_windows = self.windows == "head" and past in self.gate_names
+            if past not in self.in_place or past not in self.past or own_windows:
                 self.past[past] = self._zeros(past)
             if past in self.swapped:
                 self.spare[past] = self._zeros(past)
@@ -184,8 +187,9 @@ class DeviceCache:
         """Move kv head `head`'s kept slots of `layer` (and its query heads' gates) to the front of its rows."""
         for past in self.layer_buffers[layer]:
             dtype = self.artifact.input_spec(past)["dtype"]
-            heads = slice(head * group, (head + 1) * group) if past in self.gate_names else head
-            buffers.move_slots(self.past[past], dtype, self.device, slice(None), drop, held, 0, heads)
+            gates = past in self.gate_names  # a head's gate slots past its window must be zero (see `reset`)
+            heads = slice(head * group, (head + 1) * group) if gates else head
+            buffers.move_slots(self.past[past], dtype, self.device, slice(None), drop, held, 0, heads, gates)
         self.dropped[layer, head] += drop
 
     @property

@@ -59,7 +59,8 @@ def test_binding_a_bf16_buffer_by_address_reads_the_rows_asked_for():
 
 
 def test_moving_slots_equals_copying_them_out_first_overlapping_or_not():
-    """Compaction moves a window's kept slots down over themselves: the result must be a copy taken before."""
+    """Compaction moves a window's kept slots down over themselves: the result must be a copy taken before (and,
+    asked, zeros where the slots were and are no longer)."""
     rng = np.random.default_rng(0)
     for shape in ([3, 2, 12, 4], [3, 2, 12]):
         for dtype in ("float32", "bfloat16"):
@@ -67,9 +68,12 @@ def test_moving_slots_equals_copying_them_out_first_overlapping_or_not():
                 for begin, end, to in ((5, 11, 0), (2, 9, 1), (0, 4, 6), (3, 7, 3)):
                     data = rng.integers(0, 1000, shape).astype(buffers.HOST_TYPES[dtype])
                     value = buffers.from_host(data.copy(), dtype, "cpu")
-                    buffers.move_slots(value, dtype, "cpu", rows, begin, end, to, heads)
+                    clear = bool(rng.integers(2))
+                    buffers.move_slots(value, dtype, "cpu", rows, begin, end, to, heads, clear)
                     expected = data.copy()
                     for row in np.atleast_1d(np.arange(shape[0])[rows]):
                         for head in np.atleast_1d(np.arange(shape[1])[heads]):
+                            if clear:  # what the move leaves behind up to `end`
+                                expected[row, head, to + end - begin : end] = 0
                             expected[row, head, to : to + end - begin] = data[row, head, begin:end]
                     np.testing.assert_array_equal(buffers.to_host(value, dtype), expected)

@@ -21,7 +21,7 @@ from kvg_export.cache import DynamicCache, GatedCache, StaticCache
 from kvg_export.cache_layers import SHIFT_FIELDS, gate_slots, is_tracing
 from kvg_export.fox.attention import decay_after, forgetting_attention
 from kvg_export.fox.configuration import FoxConfig
-from kvg_export.fox.in_place_attention import group_query_attention, own_slots
+from kvg_export.fox.in_place_attention import group_query_attention
 from kvg_export.fox.layers import QK_NORM_EPS, GatedMLP, HeadRMSNorm, RMSNorm, ShiftLinear, rotate
 
 # With a cache, a longer input runs through the layers in chunks of this many tokens, as the runtime prefills
@@ -178,15 +178,15 @@ class ForgettingAttention(nn.Module):
             earliest = starts.min().item()
             torch._check(earliest >= 0)
             torch._check(earliest <= window)
+            group = self.heads // self.kv_heads
             written |= {
                 "window": window - earliest,
-                "head_starts": starts.repeat_interleave(self.heads // self.kv_heads),
+                "head_starts": starts.repeat_interleave(group) if group > 1 else starts,
             }
         key_cache, value_cache, gates = cache.update_gates(*per_head, log_gates, self.layer_idx, written)
-        gates = gates[..., : written["window"]]
-        if starts is not None:  # slots past a head's own window hold what pruning moved out of them
-            gates = torch.where(own_slots(written["head_starts"], window, gates.shape[-1]), gates, 0.0)
-        decay = decay_after(gates)  # c_last - c_j
+        # A head's gate slots past its own window are zero (a runtime zeroes what pruning moves out of them):
+        # its keys' sums are its own, the ones the bound was proved for
+        decay = decay_after(gates[..., : written["window"]])  # c_last - c_j
         bias = decay.unsqueeze(2)  # one row for every query: softmax ignores each row's c_last - c_i
         if query.dtype != torch.float32:  # where fp16 or bf16 would round that constant into every score
             queries_at = gate_slots(written, decay.device).expand(batch, self.heads, seq)
