@@ -25,7 +25,7 @@ def is_tracing() -> bool:
 
 def gate_slots(cache_kwargs: dict, device: torch.device) -> torch.Tensor:
     """Where the new gates go, `[1, heads or 1, seq]`: cache_kwargs' `cache_position`, less each head's window
-    start where the heads' buffers start apart (`head_starts` `[heads]`, see `fox/modeling.py`'s `_own_windows`)."""
+    start where the heads' buffers start apart (`head_starts` `[heads]`, see `ForgettingAttention._attend_in_place`)."""
     slots = cache_kwargs["cache_position"].to(device).view(1, 1, -1)
     starts = cache_kwargs.get("head_starts")
     return slots if starts is None else slots - starts.to(device).view(1, -1, 1)

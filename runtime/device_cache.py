@@ -20,7 +20,7 @@ import onnxruntime as ort
 
 from runtime import buffers
 from runtime.artifact import Artifact
-from runtime.pruning import WINDOW_OFFSETS, PruningError, droppable
+from runtime.pruning import WINDOW_OFFSETS, PruningError, needed_slots
 
 PRUNE_EVERY = 64  # decode steps between two prunings (each sums every head's gates over the window)
 
@@ -57,8 +57,7 @@ class DeviceCache:
                 self.layer_buffers[index // fields].append(past)
         self.gate_names = artifact.gate_names()
         # Each layer's present keys and values that its runs give folded while its heads' windows start apart
-        self.folding = {present: index // len(artifact.manifest["cache"]["fields"])
-                        for index, (past, present) in enumerate(self.pairs)
+        self.folding = {present: index // fields for index, (past, present) in enumerate(self.pairs)
                         if past in self.in_place and artifact.folds(present)}  # fmt: skip
         limit = artifact.manifest["cache"]["max_cache_len"]
         self.capacity = limit if in_place else None  # the slots a pruned request may fill (None: any number)
@@ -148,11 +147,11 @@ class DeviceCache:
         raises PruningError naming the head that leaves no room for one."""
         if self.thresholds is None:
             return new
-        slots = filled - self.dropped  # per layer and kv head
-        full = self.capacity is not None and slots.max() + new > self.capacity
+        full = self.capacity is not None and filled - self.offset + new > self.capacity  # the longest rows'
         if not (full or new > 1 or filled - self.pruned_at >= PRUNE_EVERY):
             return new
         self.pruned_at = filled
+        slots = filled - self.dropped  # per layer and kv head
         needs = self._needs(slots, rows)  # [layers, heads]
         group = needs.shape[1] // self.heads
         kept = needs.reshape(len(needs), self.heads, group).max(-1)  # per layer and kv head
@@ -173,15 +172,14 @@ class DeviceCache:
 
     def _needs(self, slots: np.ndarray, rows) -> np.ndarray:
         """How many of its newest slots each query head still needs in some of `rows`, `[layers, heads]`
-        (`slots`: what each kv head's rows hold)."""
-        needs = np.zeros(self.thresholds.shape, dtype=np.int64)
-        group = needs.shape[1] // self.heads
-        for layer, name in enumerate(self.gate_names):
-            gates = buffers.to_host(self.past[name], "float32")  # off the CPU a copy: once a layer
-            for query, threshold in enumerate(self.thresholds[layer]):
-                held = slots[layer, query // group]
-                needs[layer, query] = held - droppable(gates[rows, query : query + 1, :held], threshold[None]).min()
-        return needs
+        (`slots`: what each kv head's rows hold). Each layer's gates are read as long as its longest rows: a
+        head's slots past its own are zero (see `reset`), which adds nothing to its sums and is never
+        droppable, so it needs what it needs of its own, less the slots it lacks."""
+        longest = slots.max(1)
+        gates = [buffers.to_host(self.past[name], "float32")[rows, :, :held]
+                 for name, held in zip(self.gate_names, longest, strict=True)]  # fmt: skip
+        lacking = (longest[:, None] - slots).repeat(self.thresholds.shape[1] // self.heads, axis=1)
+        return needed_slots(gates, self.thresholds) - lacking
 
     def _drop(self, layer: int, head: int, group: int, drop: int, held: int) -> None:
         """Move kv head `head`'s kept slots of `layer` (and its query heads' gates) to the front of its rows."""
