@@ -130,6 +130,32 @@ def name_by_module(graph: ir.Graph) -> None:
             node.name = module
 
 
+def unique_names(graph: ir.Graph) -> None:
+    """Rename each value whose name an earlier one in `graph` or its If branches took. The rewrites name what they
+    add uniquely in its own graph only, and onnx resolves a branch's name to an outer value first, wherever in the
+    outer graph that is (onnx_ir's NameFixPass sees only the outer names before the branch)."""
+    taken = {value.name for value in (*graph.inputs, *graph.outputs, *graph.initializers.values())}
+    kept = {*graph.inputs, *graph.outputs, *graph.initializers.values()}
+
+    def claim(value: ir.Value) -> None:
+        if value in kept or value.name not in taken:
+            taken.add(value.name)
+            return
+        index = 1
+        while f"{value.name}_{index}" in taken:
+            index += 1
+        value.name = f"{value.name}_{index}"
+        taken.add(value.name)
+
+    for node in ir.traversal.RecursiveGraphIterator(graph):
+        for attribute in node.attributes.values():
+            if attribute.type == ir.AttributeType.GRAPH:
+                for value in (*attribute.value.inputs, *attribute.value.initializers.values()):
+                    claim(value)
+        for value in node.outputs:
+            claim(value)
+
+
 def lower_to_onnx(
     program: ExportedProgram, example: tuple, layout: CacheLayout, path: Path, opset: int,
     keep_apart: Callable[[str], bool] = lambda module: False, attention: str = "gqa", window_offsets: bool = False,
@@ -169,5 +195,6 @@ def lower_to_onnx(
         default_to_zeros(graph)
         name_present_axes(graph)
     keep_last_logits(graph)
+    unique_names(graph)
     weights_file.save(onnx_program.model, path)
     return joined, norms, leaner, written_in_place

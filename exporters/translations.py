@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import onnx_ir as ir
 import onnxscript
 import torch
@@ -81,8 +82,9 @@ def lower_group_query_attention(
     length attended, and left padding is masked in the bias, which also carries FoX's gate sums. The
     lengths come from inputs every layer shares, so onnxruntime computes them once. GroupQueryAttention's
     default scale is FoX's. With `starts`, where the heads' rows start apart the heads are folded into rows
-    (see `Folding`); GroupQueryAttention takes a chunk of a prompt after the first for one row only, so a
-    prompt's chunks need the layer's heads together."""
+    (see `Folding`) for a decode step. GroupQueryAttention takes a chunk of a prompt after the first for one row
+    only, so such a chunk runs one op a head, each over that head's slots alone, and a ScatterND (in place) writes
+    the chunk's keys and values into each head's rows."""
     # One element, as onnxruntime accepts; with `starts`, the longest head's window (the bias's width)
     total = op.Cast(op.Shape(allowed if starts is None else bias, start=3, end=4), to=INT32.dtype)
     last = op.Slice(cache_position, op.Constant(value_ints=[-1]), op.Constant(value_ints=[1 << 62]))
@@ -100,18 +102,40 @@ def lower_group_query_attention(
     fold = Folding(query, starts, heads, kv_heads)
 
     def apart():
-        masked = fold.masked(bias, fold.head_windows(allowed, bias))
-        out, present_key, present_value = GROUP_QUERY_ATTENTION(
-            fold.states(query), fold.states(key), fold.states(value), fold.cache(key_cache), fold.cache(value_cache),
-            op.Cast(fold.per_row(op.Sub(last, starts)), to=INT32.dtype), total, None, None, None,
-            op.CastLike(masked, query), num_heads=heads // kv_heads, kv_num_heads=1,
-        )  # fmt: skip
-        return fold.output(out), present_key, present_value
+        lengths = op.Sub(last, starts)  # [kv_heads]: each head's slots before its last new one
+
+        def step():  # one new token: every head's row in one op
+            masked = fold.masked(bias, fold.head_windows(allowed, bias))
+            out, present_key, present_value = GROUP_QUERY_ATTENTION(
+                fold.states(query), fold.states(key), fold.states(value), fold.cache(key_cache),
+                fold.cache(value_cache), op.Cast(fold.per_row(lengths), to=INT32.dtype), total, None, None, None,
+                op.CastLike(masked, query), num_heads=heads // kv_heads, kv_num_heads=1,
+            )  # fmt: skip
+            return fold.output(out), present_key, present_value
+
+        def chunk():  # a prompt's chunk: GroupQueryAttention takes it for one row only, and so one head at a time
+            held = op.Sub(op.Slice(cache_position, op.Constant(value_ints=[0]), op.Constant(value_ints=[1])), starts)
+            queries, keys, values = fold.states(query), fold.states(key), fold.states(value)
+            key_rows, value_rows = fold.cache(key_cache), fold.cache(value_cache)
+            outs = []
+            for head in range(kv_heads):
+                length = fold.head(lengths, head)
+                out, _, _ = GROUP_QUERY_ATTENTION(
+                    fold.head(queries, head), fold.head(keys, head), fold.head(values, head),
+                    fold.held(key_rows, head, held), fold.held(value_rows, head, held),
+                    op.Cast(op.Expand(length, fold.batch), to=INT32.dtype),
+                    op.Cast(op.Add(length, op.Constant(value_ints=[1])), to=INT32.dtype), None, None, None,
+                    op.CastLike(fold.own_bias(bias, allowed, head), query), num_heads=heads // kv_heads, kv_num_heads=1,
+                )  # fmt: skip
+                outs.append(out)
+            return op.Concat(*outs, axis=2), fold.write(key_rows, keys, held), fold.write(value_rows, values, held)
+
+        return fold.either(fold.one_token, step, chunk)
 
     def together():
         return one_window(op.Where(fold.shifted(allowed), bias, op.Constant(value_float=MINIMUM)), fold.earliest)
 
-    return fold.either(together, apart)
+    return fold.either(fold.together, together, apart)
 
 
 class Folding:
@@ -126,12 +150,14 @@ class Folding:
         self.query, self.starts, self.kv_heads, self.group = query, starts, kv_heads, heads // kv_heads
         self.batch = op.Shape(query, start=0, end=1)  # outside the branches: the optimizer may merge both's
         self.earliest = op.ReduceMin(starts, keepdims=1)
-        self.together = op.Equal(op.ReduceMax(starts, keepdims=1), self.earliest)  # one element, as If takes
+        # Conditions, one element each as If takes: every head's rows start at one slot; one new token a row
+        self.together = op.Equal(op.ReduceMax(starts, keepdims=1), self.earliest)
+        self.one_token = op.Equal(op.Shape(query, start=1, end=2), op.Constant(value_ints=[1]))
 
-    def either(self, together: Callable[[], tuple], apart: Callable[[], tuple]) -> tuple:
-        """An If on whether every head's rows start at one slot: `together()`'s outputs (attention output, present
-        key and value) if they do, else `apart()`'s, each built into its own branch. The exporter records ops into
-        whichever recorder is the default, so each branch is recorded by a new one of the same kind."""
+    def either(self, condition, then: Callable[[], tuple], otherwise: Callable[[], tuple]) -> tuple:
+        """An If on `condition`: `then()`'s outputs (attention output, present key and value) where it holds, else
+        `otherwise()`'s, each built into its own branch. The exporter records ops into whichever recorder is the
+        default, so each branch is recorded by a new one of the same kind."""
         recorder = onnxscript.evaluator.default()
 
         def branch(name: str, build: Callable[[], tuple]) -> ir.Graph:
@@ -142,8 +168,8 @@ class Folding:
                 output.dtype, output.shape = self.query.dtype, ir.Shape([None] * rank)
             return ir.Graph(inputs=[], outputs=list(outputs), nodes=inner.nodes, name=name)
 
-        branches = {"then_branch": branch("together", together), "else_branch": branch("apart", apart)}
-        chosen = ir.node("If", [self.together], branches, num_outputs=3)
+        branches = {"then_branch": branch(then.__name__, then), "else_branch": branch(otherwise.__name__, otherwise)}
+        chosen = ir.node("If", [condition], branches, num_outputs=3)
         recorder.nodes.append(chosen)
         for output, rank in zip(chosen.outputs, (3, 4, 4), strict=True):
             output.dtype, output.shape = self.query.dtype, ir.Shape([None] * rank)
@@ -175,6 +201,40 @@ class Folding:
     def per_row(self, per_head):
         """`[kv_heads]` -> `[rows]`."""
         return op.Tile(per_head, self.batch)
+
+    def head(self, rows, head: int):
+        """The rows of kv head `head` (one per batch row) of `rows` `[rows, ...]`, or its element of `[kv_heads]`."""
+        return op.Slice(rows, op.Constant(value_ints=[head]), op.Constant(value_ints=[1 << 62]),
+                        op.Constant(value_ints=[0]), op.Constant(value_ints=[self.kv_heads]))  # fmt: skip
+
+    def held(self, rows, head: int, lengths, axis: int = 2):
+        """Kv head `head`'s rows of `rows`, their first `lengths[head]` along `axis` (`lengths`: `[kv_heads]`)."""
+        end = op.Concat(op.Constant(value_ints=[1 << 62]), self.head(lengths, head), axis=0)
+        return op.Slice(rows, op.Constant(value_ints=[head, 0]), end, op.Constant(value_ints=[0, axis]),
+                        op.Constant(value_ints=[self.kv_heads, 1]))  # fmt: skip
+
+    def own_bias(self, bias, allowed, head: int):
+        """Kv head `head`'s query heads' bias `[batch, group, seq, its window]` where the pattern `allowed` `[batch, 1,
+        seq, window]` allows, else float32's minimum: the pattern from the head's start on, the bias (in the head's
+        own slots) as wide."""
+        pattern = op.Slice(allowed, self.head(self.starts, head), op.Constant(value_ints=[1 << 62]),
+                           op.Constant(value_ints=[3]))  # fmt: skip
+        end = op.Concat(op.Constant(value_ints=[(head + 1) * self.group]), op.Shape(pattern, start=3, end=4), axis=0)
+        own = op.Slice(bias, op.Constant(value_ints=[head * self.group, 0]), end, op.Constant(value_ints=[1, 3]))
+        return op.Where(pattern, own, op.Constant(value_float=MINIMUM))
+
+    def write(self, cache, new, held):
+        """The folded `cache` `[rows, 1, length, head_dim]` with each row's `new` `[rows, seq, head_dim]` written after
+        its `held` slots (`held`: per kv head): a ScatterND, which onnxruntime runs in place where the cache is bound
+        as both its input and the output."""
+        slots = op.Unsqueeze(op.Range(op.Constant(value_int=0), op.Squeeze(op.Shape(new, start=1, end=2)),
+                                      op.Constant(value_int=1)), op.Constant(value_ints=[0]))  # fmt: skip
+        slots = op.Add(op.Unsqueeze(self.per_row(held), op.Constant(value_ints=[1])), slots)  # [rows, seq]
+        rows = op.Range(op.Constant(value_int=0), op.Squeeze(self.row_count), op.Constant(value_int=1))
+        rows = op.Expand(op.Unsqueeze(rows, op.Constant(value_ints=[1])), op.Shape(slots))
+        first_head = op.ConstantOfShape(op.Shape(slots), value=ir.tensor(np.zeros(1, np.int64)))  # a row's only
+        columns = [op.Unsqueeze(index, op.Constant(value_ints=[2])) for index in (rows, first_head, slots)]
+        return op.ScatterND(cache, op.Concat(*columns, axis=2), new)
 
     def shifted(self, allowed):
         """The pattern `[batch, 1, seq, window]` from the slot where every head's rows start (all at one)."""
@@ -271,7 +331,7 @@ def lower_onnx_attention(
         earlier = op.LessOrEqual(slots, op.Unsqueeze(shifted, op.Constant(value_ints=[-1])))  # [seq, window]
         return one_window(op.Where(op.And(fold.shifted(allowed), earlier), bias, minimum), fold.earliest)
 
-    return fold.either(together, apart)
+    return fold.either(fold.together, together, apart)
 
 
 def _joined(out):

@@ -15,9 +15,10 @@ So that the attention reads each head's own slots alone, a layer whose heads' ro
 into rows (see `exporters/translations.Folding`), and its present keys and values are then the folded buffers the
 op writes, `[batch * kv_heads, 1, length, head_dim]`: the same memory as the past's `[batch, kv_heads, length,
 head_dim]`, which a runtime binds as both, in the shape that layer's run gives (ROWS and ROW_HEADS name the two
-axes). A layer whose heads start together, as they do at the default, gives the past's shape. GroupQueryAttention
-cannot take a folded chunk of a prompt after its first, so a runtime keeps each layer's heads together while it
-prefills, and lets them part in the decode steps.
+axes). A layer whose heads start together, as they do at the default, gives the past's shape. A prompt's chunk
+runs apart too (the manifest's `cache.heads_apart_in_chunks`; an artifact exported before that runs a chunk
+with each layer's heads together), for one batch row only, as GroupQueryAttention takes a chunk after a
+prompt's first.
 """
 
 from __future__ import annotations

@@ -66,6 +66,7 @@ class DeviceCache:
         # layer's in an artifact exported before heads had theirs; else one window for all
         offsets = next((e for e in artifact.manifest.get("optional_inputs", []) if e["name"] == WINDOW_OFFSETS), None)
         self.windows = "one" if offsets is None else "head" if len(offsets["axes"]) == 2 else "layer"
+        self.chunks_apart = artifact.manifest["cache"].get("heads_apart_in_chunks", False)  # not only in decode
         self.heads = artifact.manifest["model"]["num_kv_heads"]
         self.offsets = np.zeros(offsets["axes"] if offsets else layers, dtype=np.int64)  # window_offsets: each
         # window's start past `offset`
@@ -141,8 +142,8 @@ class DeviceCache:
         """Before a run of up to `new` positions after `filled`: drop (when pruning) the slots that `rows` (those
         still generating) no longer need, at least every PRUNE_EVERY positions, every chunk of a prompt and
         whenever the new ones would not fit otherwise; each kv head as far as its own query heads allow where
-        the graph takes each head's window (but for a prompt's chunk, which needs each layer's heads together),
-        else each layer or all of them as far as all of theirs do. Returns
+        the graph takes each head's window (in a prompt's chunk too, where the artifact says so), else each
+        layer or all of them as far as all of theirs do. Returns
         how many of the `new` positions fit (all, without pruning: `Generator.check_request` saw to that);
         raises PruningError naming the head that leaves no room for one."""
         if self.thresholds is None:
@@ -157,7 +158,7 @@ class DeviceCache:
         kept = needs.reshape(len(needs), self.heads, group).max(-1)  # per layer and kv head
         if self.windows == "one":
             kept[:] = kept.max()
-        elif self.windows == "layer" or new > 1:  # a prompt's chunk runs with each layer's heads together
+        elif self.windows == "layer" or (new > 1 and not self.chunks_apart):  # the heads kept together
             kept[:] = kept.max(1, keepdims=True)
         room = new if self.capacity is None else min(new, self.capacity - int(kept.max()))
         if room < 1:

@@ -269,21 +269,34 @@ def test_a_served_request_whose_head_keeps_more_than_the_slots_fails_naming_it(u
     assert f"head 3 still weighs all of its last {SLOTS} positions" in end.message
 
 
-def test_each_head_drops_as_far_as_it_allows(tmp_path):
-    """Layer 0's first three heads forget within tokens and its last hardly at all, nor does layer 1: those three
-    heads' windows shrink while the others keep every position (in one window per layer, none could shrink), and
-    the tokens and logits are those of the same artifact run without pruning."""
+@pytest.fixture(scope="module")
+def parting(tmp_path_factory):
+    """A pruned dynamic artifact whose layer 0's first three heads forget within tokens and its last hardly at
+    all, nor does layer 1: only kv heads of their own windows can drop those three heads' keys."""
+    folder = tmp_path_factory.mktemp("parting")
     model = forgetting("fox-pro-tiny", layers=[[*FORGETTING[:3], 3.0], [3.0] * 4])
-    model.save_pretrained(tmp_path / "checkpoint")
-    options = ExportOptions(str(tmp_path / "checkpoint"), tmp_path / "dynamic", log_pruning_tolerance=TOLERANCE)
-    folder = export_artifact(options, log=lambda line: None).path
-    row, config = prompts(model.config.vocab_size), GenerationConfig(max_new_tokens=NEW, min_new_tokens=NEW)
+    model.save_pretrained(folder / "checkpoint")
+    options = ExportOptions(str(folder / "checkpoint"), folder / "dynamic", log_pruning_tolerance=TOLERANCE)
+    return model, export_artifact(options, log=lambda line: None).path
+
+
+@pytest.mark.parametrize("prefill_chunk", [256, 32], ids=["one-chunk", "chunks"])
+def test_each_head_drops_as_far_as_it_allows(parting, prefill_chunk):
+    """Those three heads' windows shrink while the others keep every position (in one window per layer, none
+    could shrink), and the tokens and logits are those of the same artifact run without pruning. Prefilled in
+    chunks, the heads part before the first token (GroupQueryAttention then runs one op a head)."""
+    model, folder = parting
+    row = prompts(model.config.vocab_size)
+    config = GenerationConfig(max_new_tokens=NEW, min_new_tokens=NEW, prefill_chunk=prefill_chunk)
     result = Generator.open(folder, CPU).generate(row, config, keep_logits=True)
     expected = Generator.open(folder, CPU, None).generate(row, config, keep_logits=True)
     assert min(result.pruned_positions[0][:3]) > PROMPT
     assert result.pruned_positions[0][3] == 0 and result.pruned_positions[1] == [0] * 4
     assert result.tokens == expected.tokens
     assert_within_the_bound(model, result.step_logits, expected.step_logits)
+    if prefill_chunk < PROMPT:
+        first = Generator.open(folder, CPU).generate(row, GenerationConfig(max_new_tokens=1, prefill_chunk=32))
+        assert min(first.pruned_positions[0][:3]) > 0 and first.pruned_positions[0][3] == 0
 
 
 def test_a_head_that_keeps_more_than_the_slots_ends_the_request_naming_it(unforgetting):
