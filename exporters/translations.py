@@ -17,7 +17,7 @@ import onnx_ir as ir
 import onnxscript
 import torch
 from onnx.defs import OpSchema, get_schema
-from onnxscript import INT32
+from onnxscript import BOOL, INT32
 from onnxscript import opset18 as op
 from onnxscript.values import Op, Opset
 
@@ -93,19 +93,23 @@ def lower_group_query_attention(
         rows = op.Shape(query, start=0, end=1)
         seqlens = op.Cast(op.Expand(last if shift is None else op.Sub(last, shift), rows), to=INT32.dtype)
         return GROUP_QUERY_ATTENTION(
-            query, key, value, key_cache, value_cache, seqlens, total, None, None, None, op.CastLike(masked, query),
+            query, key, value, key_cache, value_cache, seqlens, total, None, None, None, masked,
             num_heads=heads, kv_num_heads=kv_heads,
         )  # fmt: skip
 
     if starts is None:
-        return one_window(op.Where(allowed, bias, op.Constant(value_float=MINIMUM)))
+        return one_window(op.CastLike(op.Where(allowed, bias, op.Constant(value_float=MINIMUM)), query))
     fold = Folding(query, starts, heads, kv_heads)
+    # A decode step whose pattern allows every slot (no padding) takes the bias as it is: GroupQueryAttention reads
+    # each row's own slots alone, and no later one. Masking costs a pass over every head's longest window, and an
+    # If in onnxruntime about as much: so the branches are nested with the usual step of a long context first.
+    everything = op.Cast(op.ReduceMin(op.Cast(allowed, to=INT32.dtype), keepdims=0), to=BOOL.dtype)
+    unmasked = op.And(fold.one_token, everything)
 
     def apart():
         lengths = op.Sub(last, starts)  # [kv_heads]: each head's slots before its last new one
 
-        def step():  # one new token: every head's row in one op
-            masked = fold.masked(bias, fold.head_windows(allowed, bias))
+        def one_token(masked):  # every head's row in one op
             out, present_key, present_value = GROUP_QUERY_ATTENTION(
                 fold.states(query), fold.states(key), fold.states(value), fold.cache(key_cache),
                 fold.cache(value_cache), op.Cast(fold.per_row(lengths), to=INT32.dtype), total, None, None, None,
@@ -113,27 +117,40 @@ def lower_group_query_attention(
             )  # fmt: skip
             return fold.output(out), present_key, present_value
 
-        def chunk():  # a prompt's chunk: GroupQueryAttention takes it for one row only, and so one head at a time
-            held = op.Sub(op.Slice(cache_position, op.Constant(value_ints=[0]), op.Constant(value_ints=[1])), starts)
-            queries, keys, values = fold.states(query), fold.states(key), fold.states(value)
-            key_rows, value_rows = fold.cache(key_cache), fold.cache(value_cache)
-            outs = []
-            for head in range(kv_heads):
-                length = fold.head(lengths, head)
-                out, _, _ = GROUP_QUERY_ATTENTION(
-                    fold.head(queries, head), fold.head(keys, head), fold.head(values, head),
-                    fold.held(key_rows, head, held), fold.held(value_rows, head, held),
-                    op.Cast(op.Expand(length, fold.batch), to=INT32.dtype),
-                    op.Cast(op.Add(length, op.Constant(value_ints=[1])), to=INT32.dtype), None, None, None,
-                    op.CastLike(fold.own_bias(bias, allowed, head), query), num_heads=heads // kv_heads, kv_num_heads=1,
-                )  # fmt: skip
-                outs.append(out)
-            return op.Concat(*outs, axis=2), fold.write(key_rows, keys, held), fold.write(value_rows, values, held)
+        def unmasked_step():
+            return one_token(fold.by_row(bias))
 
-        return fold.either(fold.one_token, step, chunk)
+        def masked_step_or_chunk():
+            def masked_step():
+                return one_token(fold.masked(bias, fold.head_windows(allowed, bias)))
+
+            def chunk():  # a prompt's chunk: GroupQueryAttention takes it for one row only, so one head at a time
+                held = op.Sub(op.Slice(cache_position, op.Constant(value_ints=[0]), op.Constant(value_ints=[1])),
+                              starts)  # fmt: skip
+                queries, keys, values = fold.states(query), fold.states(key), fold.states(value)
+                key_rows, value_rows = fold.cache(key_cache), fold.cache(value_cache)
+                outs = []
+                for head in range(kv_heads):
+                    length = fold.head(lengths, head)
+                    out, _, _ = GROUP_QUERY_ATTENTION(
+                        fold.head(queries, head), fold.head(keys, head), fold.head(values, head),
+                        fold.held(key_rows, head, held), fold.held(value_rows, head, held),
+                        op.Cast(op.Expand(length, fold.batch), to=INT32.dtype),
+                        op.Cast(op.Add(length, op.Constant(value_ints=[1])), to=INT32.dtype), None, None, None,
+                        op.CastLike(fold.own_bias(bias, allowed, head), query), num_heads=heads // kv_heads,
+                        kv_num_heads=1,
+                    )  # fmt: skip
+                    outs.append(out)
+                return op.Concat(*outs, axis=2), fold.write(key_rows, keys, held), fold.write(value_rows, values, held)
+
+            return fold.either(fold.one_token, masked_step, chunk)
+
+        return fold.either(unmasked, unmasked_step, masked_step_or_chunk)
 
     def together():
-        return one_window(op.Where(fold.shifted(allowed), bias, op.Constant(value_float=MINIMUM)), fold.earliest)
+        return one_window(
+            op.CastLike(op.Where(fold.shifted(allowed), bias, op.Constant(value_float=MINIMUM)), query), fold.earliest
+        )
 
     return fold.either(fold.together, together, apart)
 
@@ -160,20 +177,21 @@ class Folding:
         default, so each branch is recorded by a new one of the same kind."""
         recorder = onnxscript.evaluator.default()
 
-        def branch(name: str, build: Callable[[], tuple]) -> ir.Graph:
-            inner = type(recorder)(recorder.opset, {})
-            with onnxscript.evaluator.default_as(inner):
-                outputs = build()
+        def typed(outputs) -> list:
             for output, rank in zip(outputs, (3, 4, 4), strict=True):
                 output.dtype, output.shape = self.query.dtype, ir.Shape([None] * rank)
-            return ir.Graph(inputs=[], outputs=list(outputs), nodes=inner.nodes, name=name)
+            return list(outputs)
 
-        branches = {"then_branch": branch(then.__name__, then), "else_branch": branch(otherwise.__name__, otherwise)}
+        def branch(build: Callable[[], tuple]) -> ir.Graph:
+            inner = type(recorder)(recorder.opset, {})
+            with onnxscript.evaluator.default_as(inner):
+                outputs = typed(build())
+            return ir.Graph(inputs=[], outputs=outputs, nodes=inner.nodes, name=build.__name__)
+
+        branches = {"then_branch": branch(then), "else_branch": branch(otherwise)}
         chosen = ir.node("If", [condition], branches, num_outputs=3)
         recorder.nodes.append(chosen)
-        for output, rank in zip(chosen.outputs, (3, 4, 4), strict=True):
-            output.dtype, output.shape = self.query.dtype, ir.Shape([None] * rank)
-        return tuple(chosen.outputs)
+        return tuple(typed(chosen.outputs))
 
     @property
     def row_count(self):
@@ -263,6 +281,11 @@ class Folding:
         masked = op.Where(allowed, op.Reshape(bias, by_head), op.Constant(value_float=MINIMUM))
         return op.Reshape(masked, op.Concat(self.row_count, op.Constant(value_ints=[self.group]),
                                             op.Shape(masked, start=3, end=5), axis=0))  # fmt: skip
+
+    def by_row(self, bias):
+        """The bias `[batch, heads, seq or 1, width]` as `[rows, group, seq or 1, width]`."""
+        shape = op.Concat(self.row_count, op.Constant(value_ints=[self.group]), op.Shape(bias, start=2, end=4), axis=0)
+        return op.Reshape(bias, shape)
 
     def by_group(self, rows):
         """`[rows, seq, group * head_dim]` -> `[rows, group, seq, head_dim]`."""
