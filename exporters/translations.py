@@ -82,9 +82,7 @@ def lower_group_query_attention(
     length attended, and left padding is masked in the bias, which also carries FoX's gate sums. The
     lengths come from inputs every layer shares, so onnxruntime computes them once. GroupQueryAttention's
     default scale is FoX's. With `starts`, where the heads' rows start apart the heads are folded into rows
-    (see `Folding`) for a decode step. GroupQueryAttention takes a chunk of a prompt after the first for one row
-    only, so such a chunk runs one op a head, each over that head's slots alone, and a ScatterND (in place) writes
-    the chunk's keys and values into each head's rows."""
+    (see `Folding`) for a decode step, and a prompt's chunk runs head by head (see `_chunk_head_by_head`)."""
     # One element, as onnxruntime accepts; with `starts`, the longest head's window (the bias's width)
     total = op.Cast(op.Shape(allowed if starts is None else bias, start=3, end=4), to=INT32.dtype)
     last = op.Slice(cache_position, op.Constant(value_ints=[-1]), op.Constant(value_ints=[1 << 62]))
@@ -124,24 +122,9 @@ def lower_group_query_attention(
             def masked_step():
                 return one_token(fold.masked(bias, fold.head_windows(allowed, bias)))
 
-            def chunk():  # a prompt's chunk: GroupQueryAttention takes it for one row only, so one head at a time
-                held = op.Sub(op.Slice(cache_position, op.Constant(value_ints=[0]), op.Constant(value_ints=[1])),
-                              starts)  # fmt: skip
-                queries, keys, values = fold.states(query), fold.states(key), fold.states(value)
-                key_rows, value_rows = fold.cache(key_cache), fold.cache(value_cache)
-                outs = []
-                for head in range(kv_heads):
-                    length = fold.head(lengths, head)
-                    out, _, _ = GROUP_QUERY_ATTENTION(
-                        fold.head(queries, head), fold.head(keys, head), fold.head(values, head),
-                        fold.held(key_rows, head, held), fold.held(value_rows, head, held),
-                        op.Cast(op.Expand(length, fold.batch), to=INT32.dtype),
-                        op.Cast(op.Add(length, op.Constant(value_ints=[1])), to=INT32.dtype), None, None, None,
-                        op.CastLike(fold.own_bias(bias, allowed, head), query), num_heads=heads // kv_heads,
-                        kv_num_heads=1,
-                    )  # fmt: skip
-                    outs.append(out)
-                return op.Concat(*outs, axis=2), fold.write(key_rows, keys, held), fold.write(value_rows, values, held)
+            def chunk():
+                return _chunk_head_by_head(fold, query, key, value, key_cache, value_cache, bias, allowed,
+                                           cache_position, lengths)  # fmt: skip
 
             return fold.either(fold.one_token, masked_step, chunk)
 
@@ -153,6 +136,28 @@ def lower_group_query_attention(
         )
 
     return fold.either(fold.together, together, apart)
+
+
+def _chunk_head_by_head(fold, query, key, value, key_cache, value_cache, bias, allowed, cache_position, lengths):
+    """A prompt's chunk where the heads' rows start apart: GroupQueryAttention takes a chunk after a prompt's first
+    for one batch row only, so it runs one op per kv head, over that head's slots alone (`lengths`: each head's
+    slots before the chunk's last token), and a ScatterND writes the chunk's keys and values into the folded
+    buffers in place."""
+    held = op.Sub(op.Slice(cache_position, op.Constant(value_ints=[0]), op.Constant(value_ints=[1])), fold.starts)
+    queries, keys, values = fold.states(query), fold.states(key), fold.states(value)
+    key_rows, value_rows = fold.cache(key_cache), fold.cache(value_cache)
+    outs = []
+    for head in range(fold.kv_heads):
+        length = fold.head(lengths, head)
+        out, _, _ = GROUP_QUERY_ATTENTION(
+            fold.head(queries, head), fold.head(keys, head), fold.head(values, head),
+            fold.held(key_rows, head, held), fold.held(value_rows, head, held),
+            op.Cast(op.Expand(length, fold.batch), to=INT32.dtype),
+            op.Cast(op.Add(length, op.Constant(value_ints=[1])), to=INT32.dtype), None, None, None,
+            op.CastLike(fold.own_bias(bias, allowed, head), query), num_heads=fold.group, kv_num_heads=1,
+        )  # fmt: skip
+        outs.append(out)
+    return op.Concat(*outs, axis=2), fold.write(key_rows, keys, held), fold.write(value_rows, values, held)
 
 
 class Folding:
