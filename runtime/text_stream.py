@@ -1,4 +1,11 @@
-"""Generated tokens as text that is final: held back while it ends mid-character or may begin a stop string."""
+"""Generated tokens as text that is final: held back while it ends mid-character or may begin a stop string.
+
+Each token is decoded in a window that starts one released token back, as vLLM's incremental detokenizer does,
+so a token costs the same however long the answer has grown (decoding every token each time cost a 16k-token
+answer seconds). The window's first token is one whose text was already final, so a decoder that treats a
+text's first token apart (a leading space dropped) treats the window's two decodings alike; should the longer
+one not begin with the shorter, the whole answer is decoded instead.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +18,10 @@ class TextStream:
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()):
         self.tokenizer, self.stop = tokenizer, [s for s in stop if s]
         self.tokens: list[int] = []
-        self.text = ""  # the decoded tokens, up to the last whole character
-        self.sent = 0  # how much of `text` has been handed out
+        self.window = 0  # the token the decoding window starts at
+        self.read = 0  # tokens whose text is final (the window's first is among them, once any is)
+        self.decoded = 0  # characters of final text so far
+        self.pending = ""  # final text not handed out yet: it may begin a stop string
         self.stopped = False  # a stop string was met: the text ends before it, and nothing more is added
 
     def push(self, token: int) -> str:
@@ -20,26 +29,31 @@ class TextStream:
         if self.stopped:
             return ""
         self.tokens.append(token)
-        text = self.tokenizer.decode(self.tokens)
-        return "" if text.endswith("\ufffd") else self._advance(text, last=False)
+        return self._advance(last=False)
 
     def flush(self) -> str:
         """What is still held back, once no token follows: a character left incomplete is decoded as the
         tokenizer decodes it whole (U+FFFD), as the full answer's text has it."""
         if self.stopped:
             return ""
-        return self._advance(self.tokenizer.decode(self.tokens), last=True)
+        return self._advance(last=True)
 
-    def _advance(self, text: str, last: bool) -> str:
-        self.text = text
-        hits = [i for i in (text.find(s, self.sent) for s in self.stop) if i >= 0]  # sent text begins none
+    def _advance(self, last: bool) -> str:
+        text = self.tokenizer.decode(self.tokens[self.window :])
+        if text.endswith("\ufffd") and not last:
+            return ""
+        before = self.tokenizer.decode(self.tokens[self.window : self.read])
+        # Where the decoder changed text it had already given, the whole answer's text is what counts
+        new = text[len(before) :] if text.startswith(before) else self.tokenizer.decode(self.tokens)[self.decoded :]
+        self.window, self.read, self.decoded = self.read, len(self.tokens), self.decoded + len(new)
+        return self._release(self.pending + new, last)
+
+    def _release(self, text: str, last: bool) -> str:
+        """`text` up to a stop string (then nothing more), or but for an end that may begin one."""
+        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
         if hits:
-            self.stopped, self.text = True, text[: min(hits)]
-            return self._release(len(self.text))
+            self.stopped, self.pending = True, ""
+            return text[: min(hits)]
         held = 0 if last else max((n for s in self.stop for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
-        return self._release(len(text) - held)
-
-    def _release(self, end: int) -> str:
-        out = self.text[self.sent : max(end, self.sent)]
-        self.sent = max(end, self.sent)
-        return out
+        self.pending = text[len(text) - held :]
+        return text[: len(text) - held]

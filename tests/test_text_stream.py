@@ -2,38 +2,84 @@
 
 from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, decoders, models
 
 from runtime.text_stream import TextStream
 
-TOKENIZER = Tokenizer.from_file(str(Path(__file__).resolve().parent.parent / "models" / "fox-tiny" / "tokenizer.json"))
-# byte tokens (some start or continue a multi-byte character) and merges, so pieces can end mid-character
-TOKENS = st.lists(st.integers(3, TOKENIZER.get_vocab_size() - 1), max_size=40)
+BYTE_LEVEL = Tokenizer.from_file(str(Path(__file__).resolve().parent.parent / "models" / "fox-tiny" / "tokenizer.json"))
 
 
-def streamed(tokens: list[int], stop: list[str]) -> tuple[list[str], bool]:
-    stream = TextStream(TOKENIZER, stop)
+def sentencepiece_like() -> Tokenizer:
+    """A LLaMA-style tokenizer (the official FoX checkpoints' kind): byte-fallback tokens, '▁' for a space, and a
+    decoder that drops the leading space of a text's first token, which a text decoded in pieces must not lose."""
+    pieces = ["<unk>", *(f"<0x{byte:02X}>" for byte in range(256)), "▁", "a", "b", ".", "▁a", "ab", "▁ab"]
+    merges = [("▁", "a"), ("a", "b"), ("▁a", "b")]
+    tokenizer = Tokenizer(models.BPE({piece: i for i, piece in enumerate(pieces)}, merges, byte_fallback=True))
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    return tokenizer
+
+
+TOKENIZERS = {"byte-level": BYTE_LEVEL, "sentencepiece-like": sentencepiece_like()}
+
+
+def token_lists(tokenizer: Tokenizer):
+    """Byte tokens (some start or continue a multi-byte character) and merges, so pieces can end mid-character.
+    A byte-fallback decoder turns every byte of an invalid sequence into U+FFFD, text given before included, so
+    its bytes come as whole characters, each split over as many tokens as it has bytes."""
+    if tokenizer is BYTE_LEVEL:
+        return st.lists(st.integers(3, tokenizer.get_vocab_size() - 1), max_size=40)
+    byte = {b: tokenizer.token_to_id(f"<0x{b:02X}>") for b in range(256)}
+    character = st.characters(exclude_categories=["Cs"]).map(lambda c: [byte[b] for b in c.encode()])
+    piece = st.sampled_from(["▁", "a", "b", ".", "▁a", "ab", "▁ab"]).map(lambda p: [tokenizer.token_to_id(p)])
+    return st.lists(st.one_of(character, piece), max_size=20).map(lambda units: [t for unit in units for t in unit])
+
+
+def streamed(tokenizer: Tokenizer, tokens: list[int], stop: list[str]) -> tuple[list[str], bool]:
+    stream = TextStream(tokenizer, stop)
     pieces = [stream.push(token) for token in tokens]
     return [*pieces, stream.flush()], stream.stopped
 
 
+@pytest.mark.parametrize("kind", TOKENIZERS)
 @settings(max_examples=200, deadline=None)
-@given(TOKENS, st.data())
-def test_pieces_join_to_the_text_cut_before_the_stop_string(tokens, data):
-    whole = TOKENIZER.decode(tokens)
+@given(data=st.data())
+def test_pieces_join_to_the_text_cut_before_the_stop_string(kind, data):
+    tokenizer = TOKENIZERS[kind]
+    tokens = data.draw(token_lists(tokenizer))
+    whole = tokenizer.decode(tokens)
     if whole and data.draw(st.booleans()):  # often a stop string that does occur, from anywhere in the text
         start = data.draw(st.integers(0, len(whole) - 1))
         stop = whole[start : start + data.draw(st.integers(1, 3))]
     else:
         stop = data.draw(st.text(min_size=1, max_size=3))
-    pieces, stopped = streamed(tokens, [stop])
+    pieces, stopped = streamed(tokenizer, tokens, [stop])
     assert "".join(pieces) == (whole[: whole.find(stop)] if stop in whole else whole)
     assert stopped == (stop in whole)
 
 
-@given(TOKENS)
-def test_a_piece_never_ends_in_half_a_character_before_the_last(tokens):
-    pieces, _stopped = streamed(tokens, [])
+@pytest.mark.parametrize("kind", TOKENIZERS)
+@given(data=st.data())
+def test_a_piece_never_ends_in_half_a_character_before_the_last(kind, data):
+    tokenizer = TOKENIZERS[kind]
+    pieces, _stopped = streamed(tokenizer, data.draw(token_lists(tokenizer)), [])
     assert not any(piece.endswith("\ufffd") for piece in pieces[:-1])
+
+
+def test_a_long_answer_costs_each_token_the_same():
+    """Each push decodes a window of a few tokens, not the whole answer (counted, not timed)."""
+    decoded = []
+
+    class Counting:
+        def decode(self, tokens):
+            decoded.append(len(tokens))
+            return BYTE_LEVEL.decode(tokens)
+
+    stream = TextStream(Counting())
+    for token in range(300, 2300):
+        stream.push(token)
+    assert max(decoded) <= 4
