@@ -29,6 +29,16 @@ def _projects_through_constant(node: ir.Node) -> bool:
     )
 
 
+def _joined(parts: list) -> ir.LazyTensor:
+    """The weights side by side, joined only when read (as the graph is saved, one at a time): held joined, the
+    copies would add about half the model's weights to the exporter's peak."""
+    rows, widths = parts[0].shape[0], sum(part.shape[1] for part in parts)
+    return ir.LazyTensor(
+        lambda: ir.tensor(np.concatenate([part.numpy() for part in parts], axis=1)), parts[0].dtype,
+        ir.Shape([rows, widths]),
+    )  # fmt: skip
+
+
 def fuse_projections(graph: ir.Graph, keep_apart: Callable[[ir.Node], bool] = lambda node: False) -> int:
     """Join every group of MatMuls that share their left operand and have constant weights of one dtype,
     leaving out those `keep_apart` names (a quantized export keeps some projections in float); returns how
@@ -42,11 +52,11 @@ def fuse_projections(graph: ir.Graph, keep_apart: Callable[[ir.Node], bool] = la
         old_weights = [node.inputs[1] for node in nodes]
         if len(nodes) < 2 or len({weight.const_value.dtype for weight in old_weights}) > 1:
             continue
-        weights = [weight.const_value.numpy() for weight in old_weights]
+        parts = [weight.const_value for weight in old_weights]
         name = "+".join(node.name or node.outputs[0].name for node in nodes)
-        joined = ir.Value(name=f"{name}.joined_weight", const_value=ir.tensor(np.concatenate(weights, axis=1)))
+        joined = ir.Value(name=f"{name}.joined_weight", const_value=_joined(parts))
         widths = ir.Value(
-            name=f"{name}.joined_widths", const_value=ir.tensor(np.array([w.shape[1] for w in weights], np.int64))
+            name=f"{name}.joined_widths", const_value=ir.tensor(np.array([p.shape[1] for p in parts], np.int64))
         )
         graph.register_initializer(joined)
         graph.register_initializer(widths)
