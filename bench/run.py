@@ -153,7 +153,7 @@ def artifact(
     pruning tolerance the runtime prunes at (None: it keeps every key, whatever the model's config asks)."""
     from exporters.evaluate import Thresholds
     from exporters.export import QUALITY_THRESHOLDS, ExportOptions, QualityOptions, export_artifact
-    from exporters.quantize import BITS, Quantization
+    from exporters.quantization import BITS, Quantization
     from kvg_export.presets import preset_folder
 
     parts = [model, cache, *([str(length)] if length else []), attention, *([quantize] if quantize else [])]

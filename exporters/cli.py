@@ -6,11 +6,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from exporters import export, quantize
+from exporters import export, quantization
 from exporters.contract import DEFAULT_OPSET
 from exporters.evaluate import Thresholds
 from exporters.export import ExportError, ExportOptions, QualityOptions, export_artifact
-from exporters.quantize import Quantization, QuantizationError
+from exporters.quantization import Quantization, QuantizationError
 from runtime.pruning import parse_tolerance
 
 QUANTIZATION_FLAGS = ("block_size", "quant_method", "accuracy_level", "keep_float", "symmetric")
@@ -24,14 +24,18 @@ def _add_quantization(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "quantization", "weight-only, to onnxruntime's MatMulNBits; judged on held-out text against eager fp32"
     )
-    group.add_argument("--quantize", choices=tuple(quantize.BITS), help="quantize the weights of the graph's MatMuls")
-    group.add_argument("--block-size", type=int, choices=quantize.BLOCK_SIZES, help="weights per scale (default 32)")
-    group.add_argument("--quant-method", choices=quantize.METHODS,
+    group.add_argument(
+        "--quantize", choices=tuple(quantization.BITS), help="quantize the weights of the graph's MatMuls"
+    )
+    group.add_argument(
+        "--block-size", type=int, choices=quantization.BLOCK_SIZES, help="weights per scale (default 32)"
+    )
+    group.add_argument("--quant-method", choices=quantization.METHODS,
                        help="rtn (onnxruntime's round-to-nearest, default), hqq (int4; its float zero "
                        "points run 10x slower on the CPU provider) or k_quant")  # fmt: skip
     group.add_argument("--accuracy-level", type=int, choices=range(5),
                        help="MatMulNBits compute: 0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8 (default 4)")  # fmt: skip
-    roles, kept = ", ".join(quantize.FLOAT_ROLES), ",".join(quantize.DEFAULT_KEEP_FLOAT)
+    roles, kept = ", ".join(quantization.FLOAT_ROLES), ",".join(quantization.DEFAULT_KEEP_FLOAT)
     group.add_argument("--keep-float", type=_roles,
                        help=f"roles left in float, comma-separated, or none: {roles} (default {kept})")  # fmt: skip
     group.add_argument("--symmetric", action="store_true", default=None, help="zero points fixed at the middle")
@@ -54,13 +58,13 @@ def _quantization(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         return None
     settings = {"block_size": args.block_size, "method": args.quant_method, "accuracy_level": args.accuracy_level,
                 "keep_float": args.keep_float, "symmetric": args.symmetric}  # fmt: skip
-    return Quantization(quantize.BITS[args.quantize], **{k: v for k, v in settings.items() if v is not None})
+    return Quantization(quantization.BITS[args.quantize], **{k: v for k, v in settings.items() if v is not None})
 
 
 def _quality(args: argparse.Namespace) -> QualityOptions:
     thresholds = None
     if args.max_perplexity_diff is not None or args.min_agreement is not None:
-        default = export.QUALITY_THRESHOLDS[quantize.BITS[args.quantize or "int8"]]
+        default = export.QUALITY_THRESHOLDS[quantization.BITS[args.quantize or "int8"]]
         thresholds = Thresholds(
             default.max_relative_perplexity_diff if args.max_perplexity_diff is None else args.max_perplexity_diff,
             default.min_top1_agreement if args.min_agreement is None else args.min_agreement,

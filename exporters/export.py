@@ -26,7 +26,7 @@ from exporters.contract import DEFAULT_OPSET, DYNAMIC_MAX_POSITIONS
 from exporters.evaluate import EagerRun, EvalError, Evaluation, Thresholds, evaluate
 from exporters.manifest import MANIFEST_NAME, check_graph_matches
 from exporters.preflight import PreflightError, preflight
-from exporters.quantize import Quantization, QuantizationError, quantize_graph
+from exporters.quantization import Quantization, QuantizationError
 from exporters.stages import stage
 from exporters.validate import MIN_STATIC_LENGTH, References, ValidationReport, validate_onnx
 from kvg_export.folders import publish, staging_folder
@@ -365,6 +365,10 @@ def _check(model_path: Path, manifest: dict, opset: int) -> None:
 
 
 def _quantize(float_folder: Path, staging: Path, quantization: Quantization) -> dict:
+    # Imported here: what quantizing imports (onnx_ir, and sympy with it) would otherwise be held in this process
+    # all the while the torch half runs, which is the export's peak
+    from exporters.quantize import quantize_graph
+
     try:
         return quantize_graph(float_folder / "model.onnx", staging / "model.onnx", quantization)
     except QuantizationError as error:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-NAME = "logits_to_keep"
-KEPT_AXIS = "kept"  # the logits' sequence axis: seq, or logits_to_keep when that is above 0
+from exporters.contract import KEPT_AXIS
+from exporters.contract import LOGITS_TO_KEEP as NAME
 
 
 def keep_last_logits(graph: ir.Graph) -> None:

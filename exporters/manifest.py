@@ -12,11 +12,9 @@ from pathlib import Path
 
 import onnx
 
-from exporters.contract import CACHE_FIELDS, PAST_TEMPLATE, PRESENT_TEMPLATE, CacheLayout
-from exporters.last_logits import KEPT_AXIS
-from exporters.last_logits import NAME as LOGITS_TO_KEEP
-from exporters.window_offsets import NAME as WINDOW_OFFSETS
+from exporters.contract import CACHE_FIELDS, KEPT_AXIS, LOGITS_TO_KEEP, PAST_TEMPLATE, PRESENT_TEMPLATE, CacheLayout
 from runtime.artifact import ROW_HEADS_AXIS, ROWS_AXIS
+from runtime.pruning import WINDOW_OFFSETS
 
 MANIFEST_NAME = "kvg_config.json"
 FORMAT_VERSION = 2  # 2: a static graph's attention_mask is the attention window, not the buffer

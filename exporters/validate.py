@@ -17,8 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from exporters.contract import CacheLayout
-from exporters.last_logits import NAME as LOGITS_TO_KEEP
+from exporters.contract import LOGITS_TO_KEEP, CacheLayout
 
 PROMPT_LENGTH, DECODE_STEPS, PADDING = 8, 16, 3
 MIN_STATIC_LENGTH = PROMPT_LENGTH + DECODE_STEPS + 1  # the ExportedProgram takes windows shorter than the buffer

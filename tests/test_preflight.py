@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from exporters import export, preflight
 from exporters.export import ExportError, ExportOptions, QualityOptions, export_artifact
-from exporters.quantize import Quantization
+from exporters.quantization import Quantization
 from kvg_export.presets import resolve_checkpoint
 
 

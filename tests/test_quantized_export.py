@@ -10,7 +10,7 @@ import pytest
 
 from exporters import cli
 from exporters.cache_check import check_cache
-from exporters.quantize import Quantization
+from exporters.quantization import Quantization
 from runtime import cli as generate_cli
 from runtime.generator import Generator
 
