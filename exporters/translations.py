@@ -99,8 +99,7 @@ def lower_group_query_attention(
         return one_window(op.CastLike(op.Where(allowed, bias, op.Constant(value_float=MINIMUM)), query))
     fold = Folding(query, starts, heads, kv_heads)
     # A decode step whose pattern allows every slot (no padding) takes the bias as it is: GroupQueryAttention reads
-    # each row's own slots alone, and no later one. Masking costs a pass over every head's longest window, and an
-    # If in onnxruntime about as much: so the branches are nested with the usual step of a long context first.
+    # each row's own slots alone, and no later one, and masking costs a pass over every head's longest window.
     everything = op.Cast(op.ReduceMin(op.Cast(allowed, to=INT32.dtype), keepdims=0), to=BOOL.dtype)
     unmasked = op.And(fold.one_token, everything)
 
