@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from itertools import pairwise
@@ -35,7 +36,7 @@ from kvg_export.folders import write_whole
 from kvg_export.presets import load_model, resolve_checkpoint
 from runtime.artifact import ArtifactError, SessionOptions
 from runtime.generator import Generator
-from runtime.scoring import Scores, score_windows
+from runtime.scoring import POSITIONS_PER_BLOCK, Scores, score_windows
 
 DEFAULT_CONTEXT = 512
 EAGER_BATCH_TOKENS = 16 * DEFAULT_CONTEXT  # tokens per eager forward: 16 windows of 512, 1 of 8,192
@@ -267,18 +268,23 @@ def _open_artifact(folder: Path, checkpoint: Path, vocab_size: int, options: Ses
     return generator
 
 
-def eager_logits(model, ids: np.ndarray) -> np.ndarray:
-    """Float32 logits `[batch, seq, vocab]` of whole windows `[batch, seq]`, fed from an empty cache: a forward
-    with a cache runs a long window through the layers chunk by chunk, as the runtime prefills, where one
-    without builds each layer's [batch, heads, seq, seq] scores at once (4 GB in float32 for one window of
-    8,192 tokens at 16 heads)."""
+def eager_logit_blocks(model, ids: np.ndarray) -> Iterator[np.ndarray]:
+    """Float32 logits of whole windows `[batch, seq]`, fed from an empty cache, as `[batch, block, vocab]` blocks
+    of POSITIONS_PER_BLOCK positions. A forward with a cache runs a long window through the layers chunk by
+    chunk, as the runtime prefills, where one without builds each layer's [batch, heads, seq, seq] scores at
+    once (4 GB in float32 for one window of 8,192 tokens at 16 heads). The LM head goes block by block: a
+    window's whole logits (512 x 32,000 float32, 65 MB) were the peak of a quantized export's torch half."""
     import torch
 
     from kvg_export.cache import DynamicCache
 
     with torch.no_grad():
-        output = model(input_ids=torch.from_numpy(ids), past_key_values=DynamicCache(), use_cache=True)
-    return output.logits.float().numpy()
+        hidden = model.model(input_ids=torch.from_numpy(ids), past_key_values=DynamicCache(), use_cache=True)
+    hidden = hidden.last_hidden_state
+    for begin in range(0, hidden.shape[1], POSITIONS_PER_BLOCK):
+        with torch.no_grad():
+            logits = model.lm_head(hidden[:, begin : begin + POSITIONS_PER_BLOCK])
+        yield logits.float().numpy()
 
 
 @dataclass
@@ -333,7 +339,7 @@ def run_eager(
             )
     began = time.perf_counter()
     eager_batch = max(1, EAGER_BATCH_TOKENS // context)
-    scores = score_windows(partial(eager_logits, eager_model), chosen, eager_batch, config.vocab_size)
+    scores = score_windows(partial(eager_logit_blocks, eager_model), chosen, eager_batch, config.vocab_size)
     return EagerRun(text, context, chosen, bands, scores, time.perf_counter() - began)
 
 

@@ -20,11 +20,13 @@ POSITIONS_PER_BLOCK = 64  # next_token_scores' float64 work: 16 MB at a 32k voca
 
 def next_token_scores(logits: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """-log softmax(logits[..., t, :])[ids[..., t + 1]] (float64) and argmax(logits[..., t, :]) for every
-    position t but the last. logits `[..., seq, vocab]`, ids `[..., seq]`; results `[..., seq - 1]`. Worked
-    POSITIONS_PER_BLOCK positions at a time: a window's logits in float64 would take 8 bytes per vocabulary
-    entry and position, twice over (131 MB each for 512 positions of a 32k vocabulary)."""
+    position t that `ids` has a next token for. logits `[..., seq, vocab]`; ids `[..., seq]` (the last position
+    predicts nothing) or `[..., seq + 1]` (a block of a window's positions, its ids running one past it);
+    results `[..., len(ids) - 1]`. Worked POSITIONS_PER_BLOCK positions at a time: a window's logits in
+    float64 would take 8 bytes per vocabulary entry and position, twice over (131 MB each for 512 positions of
+    a 32k vocabulary)."""
     logits, ids = np.asarray(logits), np.asarray(ids)
-    positions = logits.shape[-2] - 1
+    positions = ids.shape[-1] - 1
     nll = np.empty((*logits.shape[:-2], positions), dtype=np.float64)
     top1 = np.empty(nll.shape, dtype=np.int64)
     for begin in range(0, positions, POSITIONS_PER_BLOCK):
@@ -64,7 +66,9 @@ def score_windows(
     logits_of: Callable[[np.ndarray], np.ndarray], windows: list[np.ndarray], max_batch: int, vocab_size: int
 ) -> Scores:
     """Score `windows` (1-D token id arrays of at least 2 tokens) through `logits_of`, which maps ids
-    `[batch, seq]` to logits `[batch, seq, vocab]`; consecutive windows of one length share a batch."""
+    `[batch, seq]` to logits `[batch, seq, vocab]`, whole or as consecutive blocks of positions (an iterable of
+    `[batch, block, vocab]`, so that a window's logits need not be held at once); consecutive windows of one
+    length share a batch."""
     if not windows:
         raise ValueError("no windows to score")
     batch_limit = max(1, min(max_batch, LOGITS_BUDGET_BYTES // (4 * vocab_size * max(map(len, windows)))))
@@ -75,9 +79,16 @@ def score_windows(
         while end < len(windows) and end - begin < batch_limit and len(windows[end]) == len(windows[begin]):
             end += 1
         ids = np.stack(windows[begin:end]).astype(np.int64)
-        batch_nll, batch_top1 = next_token_scores(logits_of(ids), ids)
-        nll.append(batch_nll.ravel())
-        top1.append(batch_top1.ravel())
+        logits = logits_of(ids)
+        blocks, first = [logits] if isinstance(logits, np.ndarray) else logits, 0
+        batch_nll, batch_top1 = [], []
+        for block in blocks:
+            block_nll, block_top1 = next_token_scores(block, ids[:, first : first + block.shape[1] + 1])
+            batch_nll.append(block_nll)
+            batch_top1.append(block_top1)
+            first += block.shape[1]
+        nll.append(np.concatenate(batch_nll, axis=1).ravel())
+        top1.append(np.concatenate(batch_top1, axis=1).ravel())
         targets.append(ids[:, 1:].ravel())
         positions.append(np.tile(np.arange(1, ids.shape[1]), len(ids)))
         begin = end

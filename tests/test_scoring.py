@@ -60,6 +60,23 @@ def test_windows_are_scored_in_order_with_equal_lengths_batched_within_the_limit
     assert scores.top1.tolist() == [int(table[t].argmax()) for w in windows for t in w[:-1]]
 
 
+@pytest.mark.parametrize("block", [1, 2, 3, 5])
+def test_logits_given_in_blocks_of_positions_score_as_the_naive_formula(block):
+    """A window's logits may come as consecutive blocks of positions (eager's LM head goes block by block); the
+    last position of a block is scored against the next block's first token."""
+    rng = np.random.default_rng(1)
+    table = rng.normal(size=(7, 7)).astype(np.float32)
+
+    def blocks_of(ids):
+        return (table[ids[:, begin : begin + block]] for begin in range(0, ids.shape[1], block))
+
+    windows = [rng.integers(0, 7, n) for n in (5, 5, 4, 2)]
+    scores = score_windows(blocks_of, windows, max_batch=2, vocab_size=7)
+    want = [x for w in windows for x in naive_scores(lambda ids: table[ids], w)]
+    assert scores.nll.tolist() == pytest.approx(want, rel=1e-9)
+    assert scores.top1.tolist() == [int(table[t].argmax()) for w in windows for t in w[:-1]]
+
+
 def test_no_windows_is_an_error():
     with pytest.raises(ValueError, match="no windows"):
         score_windows(lambda ids: ids, [], max_batch=4, vocab_size=3)
