@@ -9,7 +9,7 @@ position by position.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,7 +63,10 @@ class Scores:
 
 
 def score_windows(
-    logits_of: Callable[[np.ndarray], np.ndarray], windows: list[np.ndarray], max_batch: int, vocab_size: int
+    logits_of: Callable[[np.ndarray], np.ndarray | Iterable[np.ndarray]],
+    windows: list[np.ndarray],
+    max_batch: int,
+    vocab_size: int,
 ) -> Scores:
     """Score `windows` (1-D token id arrays of at least 2 tokens) through `logits_of`, which maps ids
     `[batch, seq]` to logits `[batch, seq, vocab]`, whole or as consecutive blocks of positions (an iterable of
