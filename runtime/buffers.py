@@ -4,6 +4,8 @@ is held on the host as its raw 16 bits (uint16) and handed to onnxruntime with t
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import onnxruntime as ort
@@ -52,14 +54,20 @@ def write_back(value: ort.OrtValue, host: np.ndarray, dtype: str, device: str) -
         value.update_inplace(host)
 
 
-def move_slots(
-    value: ort.OrtValue, dtype: str, device: str, rows, begin: int, end: int, to: int, heads=slice(None),
-    clear: bool = False,
-) -> None:  # fmt: skip
-    """Move slots [begin, end) of `rows` (an index of the leading axis) and `heads` (of the second) to start at
-    slot `to`; the slots are the third axis (keys, values `[batch, heads, slots, dim]`, gates `[batch, heads,
-    slots]`). `clear`: zero the slots after the moved ones, up to `end`, that the move left behind."""
+@contextmanager
+def on_host(value: ort.OrtValue, dtype: str, device: str) -> Iterator[np.ndarray]:
+    """The buffer's contents to change on the host, put back at the end (off the CPU, or in bf16, a copy each
+    way: change all that is to change in one visit)."""
     held = to_host(value, dtype)
+    yield held
+    write_back(value, held, dtype, device)
+
+
+def move_slots(held: np.ndarray, rows, begin: int, end: int, to: int, heads=slice(None), clear: bool = False) -> None:
+    """Move slots [begin, end) of `rows` (an index of the leading axis) and `heads` (of the second) of a buffer on
+    the host (see `on_host`) to start at slot `to`; the slots are the third axis (keys, values `[batch, heads,
+    slots, dim]`, gates `[batch, heads, slots]`). `clear`: zero the slots after the moved ones, up to `end`, that
+    the move left behind."""
     slot_bytes, moved_end = held.strides[2], to + end - begin
     for row in np.atleast_1d(np.arange(held.shape[0])[rows]):
         for head in np.atleast_1d(np.arange(held.shape[1])[heads]):
@@ -68,7 +76,6 @@ def move_slots(
             ctypes.memmove(start + to * slot_bytes, start + begin * slot_bytes, (end - begin) * slot_bytes)
             if clear and moved_end < end:
                 ctypes.memset(start + moved_end * slot_bytes, 0, (end - moved_end) * slot_bytes)
-    write_back(value, held, dtype, device)
 
 
 def bind_rows(

@@ -163,9 +163,9 @@ class DeviceCache:
         room = new if self.capacity is None else min(new, self.capacity - int(kept.max()))
         if room < 1:
             raise PruningError.no_room(needs, self.thresholds, self.capacity)
-        for (layer, head), drop in np.ndenumerate(slots - kept):
-            if drop > 0:
-                self._drop(layer, head, group, int(drop), int(slots[layer, head]))
+        for layer, drops in enumerate(slots - kept):
+            if drops.max() > 0:
+                self._drop(layer, group, drops, slots[layer])
         offsets = self.dropped - self.offset
         self.offsets[:] = offsets if self.windows == "head" else offsets[:, 0]
         self.moved = True  # a layer's presents may now come folded, or no longer (see `_folded`)
@@ -182,14 +182,16 @@ class DeviceCache:
         lacking = (longest[:, None] - slots).repeat(self.thresholds.shape[1] // self.heads, axis=1)
         return needed_slots(gates, self.thresholds) - lacking
 
-    def _drop(self, layer: int, head: int, group: int, drop: int, held: int) -> None:
-        """Move kv head `head`'s kept slots of `layer` (and its query heads' gates) to the front of its rows."""
+    def _drop(self, layer: int, group: int, drops: np.ndarray, held: np.ndarray) -> None:
+        """Move each kv head's kept slots of `layer` (and its query heads' gates) to the front of its rows, the head's
+        oldest `drops[h]` of the `held[h]` it held dropped; each buffer visits the host once for all its heads."""
         for past in self.layer_buffers[layer]:
-            dtype = self.artifact.input_spec(past)["dtype"]
             gates = past in self.gate_names  # a head's gate slots past its window must be zero (see `reset`)
-            heads = slice(head * group, (head + 1) * group) if gates else head
-            buffers.move_slots(self.past[past], dtype, self.device, slice(None), drop, held, 0, heads, gates)
-        self.dropped[layer, head] += drop
+            with buffers.on_host(self.past[past], self.artifact.input_spec(past)["dtype"], self.device) as host:
+                for head in np.flatnonzero(drops > 0):
+                    heads = slice(head * group, (head + 1) * group) if gates else head
+                    buffers.move_slots(host, slice(None), int(drops[head]), int(held[head]), 0, heads, gates)
+        self.dropped[layer] += np.maximum(drops, 0)
 
     @property
     def feeds_back(self) -> bool:

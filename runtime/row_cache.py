@@ -118,4 +118,5 @@ class RowCache:
         if not rows or begin == to:
             return
         for past, _ in self.slotted:
-            buffers.move_slots(self.buffers[past], self.dtypes[past], self.device, rows, begin, end, to)
+            with buffers.on_host(self.buffers[past], self.dtypes[past], self.device) as held:
+                buffers.move_slots(held, rows, begin, end, to)

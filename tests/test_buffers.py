@@ -69,7 +69,8 @@ def test_moving_slots_equals_copying_them_out_first_overlapping_or_not():
                     data = rng.integers(0, 1000, shape).astype(buffers.HOST_TYPES[dtype])
                     value = buffers.from_host(data.copy(), dtype, "cpu")
                     clear = bool(rng.integers(2))
-                    buffers.move_slots(value, dtype, "cpu", rows, begin, end, to, heads, clear)
+                    with buffers.on_host(value, dtype, "cpu") as held:
+                        buffers.move_slots(held, rows, begin, end, to, heads, clear)
                     expected = data.copy()
                     for row in np.atleast_1d(np.arange(shape[0])[rows]):
                         for head in np.atleast_1d(np.arange(shape[1])[heads]):
