@@ -307,7 +307,8 @@ def _float_graph(
     report = stage(
         log, "validate", lambda: validate_onnx(references, session),
         lambda r: f"onnxruntime vs eager's record: prefill + {r.decode_steps} greedy steps, batch {r.batch}"
-        + (" (also with longer buffers, as the runtime runs it)" if "onnx-longer" in references.starts else ""),
+        + (" (also with longer buffers, as the runtime runs it)" if "onnx-longer" in references.starts else "")
+        + ("; then with each layer's heads apart, as pruning runs it" if references.apart else ""),
     )  # fmt: skip
     log(report.table())
     if not report.passed:

@@ -8,7 +8,17 @@ import torch
 from torch.export import ExportedProgram
 
 from exporters.contract import CacheLayout, cache_shape
-from exporters.validate import DECODE_STEPS, PROMPT_LENGTH, EagerStep, References, difference, validation_prompt
+from exporters.validate import (
+    APART_CHUNK,
+    APART_SHIFT,
+    DECODE_STEPS,
+    PROMPT_LENGTH,
+    ApartRun,
+    EagerStep,
+    References,
+    difference,
+    validation_prompt,
+)
 from exporters.window_offsets import NAME as WINDOW_OFFSETS
 from exporters.wrappers import ExportableFox
 from kvg_export import FoxForCausalLM
@@ -34,50 +44,122 @@ def record(
 ) -> References:
     """Run the validation's prefill and DECODE_STEPS greedy steps through eager and the ExportedProgram (eager's
     tokens fed to both, each on its own cache) and keep what validate.validate_onnx compares onnxruntime with;
-    `longer_buffers` (gqa dynamic graphs) also starts onnxruntime from buffers longer than the filled positions."""
+    `longer_buffers` (gqa dynamic graphs) also starts onnxruntime from buffers longer than the filled positions.
+    A graph that takes window_offsets is also run with each layer's heads apart (see `_apart_runs`)."""
     config = model.config
     ids, mask = (torch.from_numpy(a) for a in validation_prompt(config.vocab_size, batch, config.pad_token_id or 0))
     eager, exported = ExportableFox(model, layout), program.module()
-
-    def shapes(length: int) -> list[tuple[tuple[int, ...], str]]:
-        return [
-            (cache_shape(config, name.rsplit(".", 1)[1], batch, length),
-             "float32" if name.endswith("gate") else str(model.dtype).removeprefix("torch."))
-            for name in layout.past_names()
-        ]  # fmt: skip
-
-    empty = shapes(max_cache_len if layout.static else 0)
-    starts = {"onnx": empty} | ({"onnx-longer": shapes(2 * (PROMPT_LENGTH + DECODE_STEPS))} if longer_buffers else {})
+    longer = 2 * (PROMPT_LENGTH + DECODE_STEPS)
+    empty = _shapes(model, layout, batch, max_cache_len if layout.static else 0)
+    starts = {"onnx": empty} | ({"onnx-longer": _shapes(model, layout, batch, longer)} if longer_buffers else {})
     references = References(str(model.dtype).removeprefix("torch."), layout, batch, starts | {"onnx-last": empty})
-    zeros = [torch.zeros(shape, dtype=getattr(torch, kind)) for shape, kind in empty]
-    # Separate buffers per system: a static cache is written in place, by eager and by the program alike.
-    pasts = {"eager": zeros, "program": [t.clone() for t in zeros]}
     in_place = any(node.op == "placeholder" and node.name == WINDOW_OFFSETS for node in program.graph.nodes)
-    offsets = (
-        {WINDOW_OFFSETS: torch.zeros(layout.num_layers, model.config.kv_heads, dtype=torch.long)} if in_place else {}
-    )
-    tokens, full_mask, start = ids, mask, 0
+    together = torch.zeros(layout.num_layers, config.kv_heads, dtype=torch.long) if in_place else None
+    run = _Run(eager, exported, layout, _zeros(empty))
+    tokens, full_mask = ids, mask
     for _ in range(DECODE_STEPS + 1):
-        stop = full_mask.shape[1]
-        head = [tokens, full_mask]
-        if layout.static:  # the mask is the attention window, as the runtime passes it
-            head = [tokens, full_mask, torch.arange(start, stop)]
-        with torch.no_grad():
-            want = eager(*head, *pasts["eager"])
-            got = exported(*head, *pasts["program"], **offsets)
-        references.steps.append(
-            EagerStep(
-                [t.numpy().copy() for t in head],
-                _host(want[0]),
-                [_host(_filled(w, stop)) for w in want[1:]],
-                difference(_host(got[0]), _host(want[0])),
-                [difference(_host(g), _host(w)) for g, w in zip(got[1:], want[1:], strict=True)],
-            )
-        )
-        pasts = {"eager": list(want[1:]), "program": list(got[1:])}
-        tokens, start = want[0][:, -1].argmax(-1).unsqueeze(1), stop
-        full_mask = torch.cat([full_mask, torch.ones(batch, 1, dtype=torch.long)], dim=1)
+        references.steps.append(run.step(tokens, full_mask, together))
+        tokens = run.greedy()
+        full_mask = _grown(full_mask, 1)
+    if in_place and config.kv_heads > 1:  # one kv head cannot part from itself
+        buffers = max_cache_len if layout.static else longer  # as the runtime binds them
+        references.apart = _apart_runs(model, layout, exported, batch, buffers)
     return references
+
+
+def _shapes(model: FoxForCausalLM, layout: CacheLayout, batch: int, length: int) -> list[tuple[tuple[int, ...], str]]:
+    """Each past's shape and dtype name, for `batch` rows of `length` slots."""
+    return [
+        (cache_shape(model.config, name.rsplit(".", 1)[1], batch, length),
+         "float32" if name.endswith("gate") else str(model.dtype).removeprefix("torch."))
+        for name in layout.past_names()
+    ]  # fmt: skip
+
+
+def _zeros(shapes: list[tuple[tuple[int, ...], str]]) -> list[torch.Tensor]:
+    return [torch.zeros(shape, dtype=getattr(torch, kind)) for shape, kind in shapes]
+
+
+def _grown(mask: torch.Tensor, count: int) -> torch.Tensor:
+    return torch.cat([mask, torch.ones(mask.shape[0], count, dtype=torch.long)], dim=1)
+
+
+class _Run:
+    """Eager and the ExportedProgram through one sequence of steps, each on its own cache (a static cache is
+    written in place, by eager and by the program alike), eager's tokens fed to both."""
+
+    def __init__(self, eager: ExportableFox, exported, layout: CacheLayout, pasts: list[torch.Tensor]):
+        self.eager, self.exported, self.layout = eager, exported, layout
+        self.pasts = {"eager": pasts, "program": [t.clone() for t in pasts]}
+        self.logits = None
+
+    def step(self, tokens: torch.Tensor, mask: torch.Tensor, offsets: torch.Tensor | None) -> EagerStep:
+        """Feed `tokens` whose window (with the positions before them) is `mask`; `offsets`: the window_offsets
+        both take (None: a graph without them)."""
+        stop = mask.shape[1]
+        head = [tokens, mask, torch.arange(stop - tokens.shape[1], stop)] if self.layout.static else [tokens, mask]
+        extra = {} if offsets is None else {WINDOW_OFFSETS: offsets}
+        with torch.no_grad():
+            want = self.eager(*head, *self.pasts["eager"], **extra)
+            got = self.exported(*head, *self.pasts["program"], **extra)
+        self.pasts = {"eager": list(want[1:]), "program": list(got[1:])}
+        self.logits = want[0]
+        return EagerStep(
+            [t.numpy().copy() for t in head],
+            _host(want[0]),
+            [_host(_filled(w, stop)) for w in want[1:]],
+            difference(_host(got[0]), _host(want[0])),
+            [difference(_host(g), _host(w)) for g, w in zip(got[1:], want[1:], strict=True)],
+            None if offsets is None else offsets.numpy().copy(),
+        )
+
+    def greedy(self) -> torch.Tensor:
+        """Eager's next tokens `[batch, 1]`."""
+        return self.logits[:, -1].argmax(-1).unsqueeze(1)
+
+    def drop(self, offsets: torch.Tensor, filled: int) -> list[np.ndarray]:
+        """Drop each layer's kv head h's first `offsets[layer, h]` of the `filled` slots from both caches, as the
+        runtime's pruning does (its kept slots moved to the front, the gate slots after them zeroed); returns
+        the cache as it is then, the start onnxruntime takes."""
+        group = self.eager.model.config.num_heads // self.eager.model.config.kv_heads
+        for pasts in self.pasts.values():
+            for name, past in zip(self.layout.past_names(), pasts, strict=True):
+                layer, field = name.split(".")[1:]
+                if field not in ("key", "value", "gate"):
+                    continue  # shift states hold no positions
+                for head, count in enumerate(offsets[int(layer)].tolist()):
+                    rows = slice(head * group, (head + 1) * group) if field == "gate" else slice(head, head + 1)
+                    past[:, rows, : filled - count] = past[:, rows, count:filled].clone()
+                    past[:, rows, filled - count : filled] = 0
+        return [_host(past).astype(str(past.dtype).removeprefix("torch.")) for past in self.pasts["eager"]]
+
+
+def _apart_runs(model: FoxForCausalLM, layout: CacheLayout, exported, batch: int, length: int) -> list[ApartRun]:
+    """The branches a pruned graph takes once a layer's heads have parted, each from a prompt prefilled with the heads
+    together and then cut by up to APART_SHIFT slots per head (every layer keeps one head whole, so the window does
+    not move): decode steps of left-padded rows (the masked step), then of one row without padding (the unmasked
+    step) with a prompt chunk among them (the chunk, which runs head by head on one row). Eager attends through
+    the in-place op's own form (kvg_export/fox/in_place_attention.py), the one that takes the offsets."""
+    config, eager = model.config, ExportableFox(model, layout, in_place_attention=True)
+    ids, mask = (torch.from_numpy(a) for a in validation_prompt(config.vocab_size, 2, config.pad_token_id or 0))
+    offsets = torch.tensor(
+        [[min((head + layer) % config.kv_heads, APART_SHIFT) for head in range(config.kv_heads)]
+         for layer in range(layout.num_layers)]
+    )  # fmt: skip
+    chunk = torch.from_numpy(validation_prompt(config.vocab_size, 1, 0)[0][:, :APART_CHUNK])
+    together = torch.zeros_like(offsets)
+    runs = []
+    for rows, steps in ((slice(0, batch), ["masked"] * 3), (slice(1, 2), ["unmasked", "chunk", "unmasked"])):
+        run = _Run(eager, exported, layout, _zeros(_shapes(model, layout, rows.stop - rows.start, length)))
+        tokens, window = ids[rows], mask[rows]
+        run.step(tokens, window, together)
+        apart = ApartRun(run.drop(offsets, window.shape[1]), [], steps)
+        for kind in steps:
+            tokens = chunk if kind == "chunk" else run.greedy()
+            window = _grown(window, tokens.shape[1])
+            apart.steps.append(run.step(tokens, window, offsets))
+        runs.append(apart)
+    return runs
 
 
 def eager_generate(model: FoxForCausalLM, prompts: list[list[int]], new_tokens: int):

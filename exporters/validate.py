@@ -9,6 +9,11 @@ An export whose differences pass the dtype's tolerance is good. Torch-free: the 
 A gqa dynamic graph is run by onnxruntime twice per step: as the contract says (past exactly as long as
 the filled positions) and as the runtime runs it (key, value and gate buffers longer than that, which
 present keeps), so both are checked against the same eager step.
+
+A graph that takes window_offsets (forget-gate pruning) runs a layer whose heads' windows start apart in other
+branches than one whose heads start together (exporters/translations.py); the runtime feeds them once pruning
+has dropped slots. So such a graph is also run with every layer's heads apart, through each of those branches
+(`ApartRun`), on the cache the runtime would hold, and compared with eager given the same offsets.
 """
 
 from __future__ import annotations
@@ -18,8 +23,10 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from exporters.contract import LOGITS_TO_KEEP, CacheLayout
+from runtime.pruning import WINDOW_OFFSETS
 
 PROMPT_LENGTH, DECODE_STEPS, PADDING = 8, 16, 3
+APART_SHIFT, APART_CHUNK = 2, 3  # the most slots a head drops before an ApartRun; the prompt chunk it feeds
 MIN_STATIC_LENGTH = PROMPT_LENGTH + DECODE_STEPS + 1  # the ExportedProgram takes windows shorter than the buffer
 # Largest difference from eager accepted per dtype (logits and every cache tensor), as max |Δ| over
 # max(1, max |eager|): a model's rounding error grows with its values, and with its depth and width.
@@ -38,7 +45,7 @@ MEASURE = "max |Δ| / max(1, max |eager|)"
 
 @dataclass
 class StepReport:
-    step: str  # "prefill" or "decode N"
+    step: str  # "prefill", "decode N", or with the heads apart "masked N", "unmasked N" or "chunk N"
     program_logits: float
     onnx_logits: float
     worst_present: str
@@ -111,6 +118,18 @@ class EagerStep:
     presents: list[np.ndarray]
     program_logits: float
     program_presents: list[float]
+    offsets: np.ndarray | None = None  # the window_offsets fed, where the graph takes them
+
+
+@dataclass
+class ApartRun:
+    """Steps with each layer's heads apart (their window_offsets in each step's `offsets`), the cache they start
+    from (eager's, after a prefill with the heads together and each head's first `offsets` slots dropped), and
+    the branch each step is meant to take ("masked", "unmasked" or "chunk")."""
+
+    pasts: list[np.ndarray]
+    steps: list[EagerStep]
+    branches: list[str]
 
 
 @dataclass
@@ -124,51 +143,80 @@ class References:
     batch: int
     starts: dict[str, list[tuple[tuple[int, ...], str]]]
     steps: list[EagerStep] = field(default_factory=list)
+    apart: list[ApartRun] = field(default_factory=list)
 
 
 def validate_onnx(references: References, session) -> ValidationReport:
     """Run onnxruntime `session` through the recorded steps, each system on its own cache, and compare it with
-    eager's outputs (and take the ExportedProgram's recorded differences into the report)."""
+    eager's outputs (and take the ExportedProgram's recorded differences into the report); then through each
+    ApartRun, as the runtime runs the graph."""
     dtype, layout = references.dtype, references.layout
     report = ValidationReport(dtype, TOLERANCES[dtype], references.batch, PROMPT_LENGTH, DECODE_STEPS)
     pasts = {system: [np.zeros(shape, dtype=kind) for shape, kind in start]
              for system, start in references.starts.items()}  # fmt: skip
+    labels = ["prefill", *(f"decode {index}" for index in range(1, len(references.steps)))]
+    runs = [(pasts, zip(labels, references.steps, strict=True))]
+    for run in references.apart:  # as the runtime binds the buffers
+        runs.append(({"onnx": list(run.pasts)}, zip(_numbered(run.branches), run.steps, strict=True)))
     keep_last = {LOGITS_TO_KEEP: np.ones(1, dtype=np.int64)}
-    for index, step in enumerate(references.steps):
-        runs = {
-            system: session.run(
-                None,
-                dict(zip(layout.input_names(), step.feed + past, strict=True))
-                | (keep_last if system == "onnx-last" else {}),
-            )
-            for system, past in pasts.items()
-        }
-        diffs = {
-            name: max(program, *(difference(_filled(run[output], want), want) for run in runs.values()))
-            for output, (name, want, program) in enumerate(
-                zip(layout.present_names(), step.presents, step.program_presents, strict=True), 1
-            )
-        }
-        worst = max(diffs, key=diffs.get)
-        eager_next = step.logits[:, -1].argmax(-1)
-        onnx_next = [run[0][:, -1].argmax(-1) for run in runs.values()]
-        entry = StepReport(
-            "prefill" if index == 0 else f"decode {index}",
-            step.program_logits,
-            max(difference(run[0], step.logits[:, -run[0].shape[1] :]) for run in runs.values()),
-            worst,
-            diffs[worst],
-            all(np.array_equal(eager_next, chosen) for chosen in onnx_next),
-        )
-        report.steps.append(entry)
-        report.failure = report.failure or _failure(entry, step.logits[:, -1], eager_next, onnx_next, report.tolerance)
-        pasts = {system: list(run[1:]) for system, run in runs.items()}
+    for pasts, steps in runs:
+        for label, step in steps:
+            offsets = {} if step.offsets is None else {WINDOW_OFFSETS: step.offsets}
+            outputs = {
+                system: session.run(
+                    None,
+                    dict(zip(layout.input_names(), step.feed + past, strict=True))
+                    | (keep_last if system == "onnx-last" else {})
+                    | offsets,
+                )
+                for system, past in pasts.items()
+            }
+            entry, eager_next, onnx_next = _compared(label, step, list(outputs.values()), layout)
+            report.steps.append(entry)
+            failure = _failure(entry, step.logits[:, -1], eager_next, onnx_next, report.tolerance)
+            report.failure = report.failure or failure
+            pasts = {system: _as_pasts(run[1:], pasts[system]) for system, run in outputs.items()}
     return report
 
 
+def _numbered(branches: list[str]) -> list[str]:
+    """Labels for an ApartRun's steps: "masked 1", "masked 2", ..."""
+    return [f"{branch} {branches[: index + 1].count(branch)}" for index, branch in enumerate(branches)]
+
+
+def _compared(label: str, step: EagerStep, runs: list[list[np.ndarray]], layout: CacheLayout):
+    """How far each system's outputs `runs` are from eager's in `step`, with eager's next tokens and each system's."""
+    diffs = {
+        name: max(program, *(difference(_filled(run[output], want), want) for run in runs))
+        for output, (name, want, program) in enumerate(
+            zip(layout.present_names(), step.presents, step.program_presents, strict=True), 1
+        )
+    }
+    worst = max(diffs, key=diffs.get)
+    eager_next, onnx_next = step.logits[:, -1].argmax(-1), [run[0][:, -1].argmax(-1) for run in runs]
+    entry = StepReport(
+        label,
+        step.program_logits,
+        max(difference(run[0], step.logits[:, -run[0].shape[1] :]) for run in runs),
+        worst,
+        diffs[worst],
+        all(np.array_equal(eager_next, chosen) for chosen in onnx_next),
+    )
+    return entry, eager_next, onnx_next
+
+
+def _as_pasts(presents: list[np.ndarray], pasts: list[np.ndarray]) -> list[np.ndarray]:
+    """A step's presents as the next step's pasts: a present whose heads came folded into rows
+    (exporters/window_offsets.py) in its past's `[batch, kv_heads, ...]` shape, the same memory."""
+    return [present.reshape(past.shape[:2] + present.shape[2:]) for present, past in zip(presents, pasts, strict=True)]
+
+
 def _filled(present: np.ndarray, want: np.ndarray) -> np.ndarray:
-    """A present key, value or gate cut to eager's length (a static or longer buffer keeps its length)."""
-    return present[:, :, : want.shape[2]] if present.ndim > 2 else present
+    """A present key, value or gate in eager's shape: unfolded, and cut to eager's length (a static or longer
+    buffer keeps its length)."""
+    if present.ndim < 3:
+        return present
+    return present.reshape(want.shape[:2] + present.shape[2:])[:, :, : want.shape[2]]
 
 
 def _failure(entry: StepReport, logits: np.ndarray, eager_next, onnx_next: list, tolerance: float) -> str | None:

@@ -235,3 +235,38 @@ def test_the_scaled_fp32_tolerance_still_fails_a_planted_error(exported):
     assert report.passed and max(step.onnx_logits for step in report.steps) < validate.TOLERANCES["float32"]
     planted = validate.validate_onnx(recorded, PlantedError(session))
     assert planted.failure.startswith("prefill: onnxruntime logits differ")
+
+
+def _nodes(graph: onnx.GraphProto):
+    """Every node of `graph` and of the branches inside it."""
+    for node in graph.node:
+        yield node
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                yield from _nodes(attribute.g)
+
+
+def test_a_pruned_export_is_validated_with_its_heads_apart(tmp_path):
+    """Once pruning parts a layer's heads, a pruned graph runs other branches (exporters/translations.py): a masked
+    step, an unmasked step and a prompt's chunk. The validation runs each against eager, so an error planted in
+    those branches alone (the folded attention's scale, 1% off) fails it at the first step with the heads apart,
+    while every step with the heads together still passes."""
+    options = ExportOptions("fox-gqa-tiny", tmp_path / "pruned", "dynamic", log_pruning_tolerance=-10.0)
+    result = export_artifact(options, log=lambda line: None)
+    apart = ["masked 1", "masked 2", "masked 3", "unmasked 1", "chunk 1", "unmasked 2"]
+    assert result.report.passed and [step.step for step in result.report.steps][1 + validate.DECODE_STEPS :] == apart
+    model = load_model("fox-gqa-tiny")
+    layout = cache_layout(model.config, static=False)
+    program, _ = export_program(model, layout, in_place_attention=True, window_offsets=True)
+    recorded = references.record(model, layout, program, None, longer_buffers=True)
+    graph = onnx.load(str(result.path / "model.onnx"))
+    folded = [node for node in _nodes(graph.graph) if node.op_type == "GroupQueryAttention"
+              and next(a.i for a in node.attribute if a.name == "kv_num_heads") == 1]  # fmt: skip
+    assert folded
+    for node in folded:
+        node.attribute.append(onnx.helper.make_attribute("scale", 1.01 / model.config.head_dim**0.5))
+    session = ort.InferenceSession(graph.SerializeToString(), providers=["CPUExecutionProvider"])
+    report = validate.validate_onnx(recorded, session)
+    assert report.failure.startswith("masked 1: onnxruntime logits differ"), report.failure
+    together = report.steps[: 1 + validate.DECODE_STEPS]
+    assert max(step.onnx_logits for step in together) < validate.TOLERANCES["float32"]
