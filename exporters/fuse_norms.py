@@ -6,11 +6,19 @@ does not join the add before it, as onnxruntime-genai's builder does with the co
 takes both summands and returns the normalized sum and the sum itself. One node where there were two, at
 each of a decode step's 2 x layers such sums. The node computes in float32 like `layers.rms_normalize`,
 and export validation checks the result against eager PyTorch like any other graph.
+
+A head's RMSNorm (`layers.HeadRMSNorm`: QK-norm and FoX-Pro's output norm, over each head's channels) is left
+as six nodes by onnxruntime, whose fusion takes a one-dimensional weight only, and this one's is `[1, head_dim]`
+(one weight for every head) or `[heads, head_dim]`. So the weight is made `[head_dim]` where every head shares
+it, and otherwise the norm is scaled by ones and then by the weight: onnxruntime then makes it one
+SimplifiedLayerNormalization (and a Mul). fox-pro-py: 42 fewer nodes in a decode step's graph of 339.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass
 from onnxscript.rewriter import RewriteRule, pattern, rewrite
 
 
@@ -66,3 +74,38 @@ def fuse_residual_norms(model: ir.Model) -> int:
     before = sum(1 for node in model.graph if node.op_type == "SkipSimplifiedLayerNormalization")
     rewrite(model, RESIDUAL_NORMS)
     return sum(1 for node in model.graph if node.op_type == "SkipSimplifiedLayerNormalization") - before
+
+
+def _head_norm(op, x, exponent, epsilon, weight, last=None):
+    """`layers.rms_normalize` over the last axis, its weight broadcast over the heads (the pattern names the
+    axis as a literal, a replacement as the Constant `last`)."""
+    mean = op.ReduceMean(op.Pow(x, exponent), [-1] if last is None else last, keepdims=1, noop_with_empty_axes=0)
+    return op.Mul(op.Div(x, op.Sqrt(op.Add(mean, epsilon))), weight)
+
+
+def _per_head_weight(context, x, weight, **_) -> bool:
+    """A constant weight of rank 2 or more whose last axis is the normalized one."""
+    if weight.const_value is None or x.shape is None:
+        return False
+    shape = weight.const_value.shape
+    return len(shape) >= 2 and shape[-1] == x.shape[-1] and isinstance(x.shape[-1], int)
+
+
+def _fusable(op, x, exponent, epsilon, weight, **_):
+    """The norm as onnxruntime fuses it: by a `[head_dim]` weight, the heads' own weights (if they differ) after."""
+    values = weight.const_value.numpy()
+    rows = values.reshape(-1, values.shape[-1])
+    shared = bool((rows == rows[0]).all())
+    flat = op.initializer(ir.tensor(rows[0] if shared else np.ones_like(rows[0])), name=f"{x.name}.head_norm_weight")
+    normalized = _head_norm(op, x, exponent, epsilon, flat, op.Constant(value_ints=[-1]))
+    return normalized if shared else op.Mul(normalized, weight)
+
+
+HEAD_NORM = RewriteRule(_head_norm, _fusable, _per_head_weight, name="head norm")
+
+
+def fusable_head_norms(model: ir.Model) -> int:
+    """Rewrite every head's RMSNorm in place so that onnxruntime fuses it; returns how many."""
+    count = HEAD_NORM.apply_to_model(model)
+    RemoveUnusedNodesPass()(model)  # and the weights no longer read
+    return count

@@ -62,8 +62,10 @@ def lower(options: ExportOptions, checkpoint: Path, model_path: Path, log: Calla
         log, "lower", lambda: lower_to_onnx(program, example, layout, model_path, options.opset, keep_apart,
                                        options.attention, offsets),
         lambda fused: f"ONNX opset {options.opset}, {fused[0]} fewer MatMuls (projections joined), "
-        f"{fused[1]} residual adds joined with their norms, forget-gate rewrites {-fused[2]:+d} nodes"
-        + (f", {fused[3]} gate writes in place in a long enough buffer" if fused[3] else "")
+        f"{fused[1]} residual adds joined with their norms"
+        + (f", {fused[2]} head norms fusable by onnxruntime" if fused[2] else "")
+        + f", forget-gate rewrites {-fused[3]:+d} nodes"
+        + (f", {fused[4]} gate writes in place in a long enough buffer" if fused[4] else "")
         + ", weights memory-mappable in model.onnx.data",
     )  # fmt: skip
     files = {name: name for name in COPIED_FILES if (checkpoint / name).is_file()}

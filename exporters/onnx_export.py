@@ -18,7 +18,7 @@ from torch.export import Dim, ExportedProgram
 
 from exporters import weights_file
 from exporters.contract import DYNAMIC_MAX_POSITIONS, CacheLayout, cache_shape
-from exporters.fuse_norms import fuse_residual_norms
+from exporters.fuse_norms import fusable_head_norms, fuse_residual_norms
 from exporters.fuse_projections import fuse_projections
 from exporters.in_place_scatter import scatter_in_place
 from exporters.last_logits import keep_last_logits
@@ -159,10 +159,11 @@ def unique_names(graph: ir.Graph) -> None:
 def lower_to_onnx(
     program: ExportedProgram, example: tuple, layout: CacheLayout, path: Path, opset: int,
     keep_apart: Callable[[str], bool] = lambda module: False, attention: str = "gqa", window_offsets: bool = False,
-) -> tuple[int, int, int, int]:  # fmt: skip
+) -> tuple[int, int, int, int, int]:  # fmt: skip
     """Write `path`: the ONNX graph with contract names and named axes, its weights beside it (see `weights_file`);
     returns how many projections were joined into others (see `fuse_projections`; modules `keep_apart` names
-    are not joined), how many residual adds into the norms after them (see `fuse_norms`), how many nodes
+    are not joined), how many residual adds into the norms after them and how many heads' norms were made ones
+    onnxruntime fuses (see `fuse_norms`), how many nodes
     the forget-gate rewrites took out (see `lean_gates`) and how many gate writes go in place when the
     buffer is long enough (see `in_place_scatter`). `attention` picks the lowering of in-place
     attention (see `translations`). The graph also takes the optional `logits_to_keep` (see `last_logits`), and
@@ -189,6 +190,7 @@ def lower_to_onnx(
     name_by_module(graph)
     joined = fuse_projections(graph, lambda node: keep_apart(node.name))
     norms = fuse_residual_norms(onnx_program.model)
+    head_norms = fusable_head_norms(onnx_program.model)
     leaner = lean_gates(onnx_program.model)
     written_in_place = scatter_in_place(graph)
     if window_offsets:
@@ -197,4 +199,4 @@ def lower_to_onnx(
     keep_last_logits(graph)
     unique_names(graph)
     weights_file.save(onnx_program.model, path)
-    return joined, norms, leaner, written_in_place
+    return joined, norms, head_norms, leaner, written_in_place
