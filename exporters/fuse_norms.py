@@ -84,11 +84,12 @@ def _head_norm(op, x, exponent, epsilon, weight, last=None):
 
 
 def _per_head_weight(context, x, weight, **_) -> bool:
-    """A constant weight of rank 2 or more whose last axis is the normalized one."""
+    """A constant weight of rank 2 up to the input's whose last axis is the normalized one (so the product keeps
+    the input's shape, as it does with the weight made one row)."""
     if weight.const_value is None or x.shape is None:
         return False
     shape = weight.const_value.shape
-    return len(shape) >= 2 and shape[-1] == x.shape[-1] and isinstance(x.shape[-1], int)
+    return 2 <= len(shape) <= len(x.shape) and shape[-1] == x.shape[-1] and isinstance(x.shape[-1], int)
 
 
 def _fusable(op, x, exponent, epsilon, weight, **_):

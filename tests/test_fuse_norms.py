@@ -138,10 +138,11 @@ def test_a_heads_norm_is_one_onnxruntime_fuses_with_the_same_results(heads, tmp_
     assert "SimplifiedLayerNormalization" in ran and "Pow" not in ran, ran
 
 
-def test_a_weight_over_other_channels_is_left_alone():
-    """A weight whose last axis is not the normalized one (here one scale per head) is not a head's norm weight:
-    its norm keeps its nodes."""
-    model = head_norm_graph(np.ones((HEADS, 1), np.float32))
+@pytest.mark.parametrize("shape", [(HEADS, 1), (1, 1, 1, 1, HEAD_DIM)], ids=["per-head scale", "higher rank"])
+def test_a_weight_that_is_not_a_heads_is_left_alone(shape):
+    """A weight whose last axis is not the normalized one (one scale per head), or of a higher rank than the
+    input (the product broadcasts to more axes), is not a head's norm weight: its norm keeps its nodes."""
+    model = head_norm_graph(np.ones(shape, np.float32))
     assert fusable_head_norms(model) == 0
 
 
