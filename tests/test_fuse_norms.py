@@ -106,6 +106,9 @@ def test_a_weight_the_half_precision_model_cannot_hold_is_left_alone():
 
 
 HEADS, HEAD_DIM = 3, 8
+# Two float32 units in the last place at the norms' largest values here (about 3.4): the fused norm is within
+# 3.4e-7 of the float64 one (measured)
+HEAD_NORM_TOLERANCE = 2 * float(np.spacing(np.float32(3.4)))
 
 
 def head_norm_graph(weight: np.ndarray, times: int = 1) -> ir.Model:
@@ -130,7 +133,7 @@ def test_a_heads_norm_is_one_onnxruntime_fuses_with_the_same_results(heads, tmp_
     model = head_norm_graph(weight)
     assert fusable_head_norms(model) == 1
     x = rng.standard_normal((2, 5, HEADS, HEAD_DIM)).astype(np.float32)
-    np.testing.assert_allclose(run(model, {"x": x})["normed"], rms_norm(x, weight), atol=1e-6)
+    np.testing.assert_allclose(run(model, {"x": x})["normed"], rms_norm(x, weight), atol=HEAD_NORM_TOLERANCE)
     settings = ort.SessionOptions()
     settings.optimized_model_filepath = str(tmp_path / "optimized.onnx")
     ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), settings)
@@ -153,4 +156,6 @@ def test_norms_that_read_one_weight_are_each_rewritten():
     assert fusable_head_norms(model) == 2
     onnx.checker.check_model(ir.serde.serialize_model(model), full_check=True)
     x = rng.standard_normal((2, 5, HEADS, HEAD_DIM)).astype(np.float32)
-    np.testing.assert_allclose(run(model, {"x": x})["normed"], rms_norm(rms_norm(x, weight), weight), atol=1e-6)
+    np.testing.assert_allclose(
+        run(model, {"x": x})["normed"], rms_norm(rms_norm(x, weight), weight), atol=HEAD_NORM_TOLERANCE
+    )
