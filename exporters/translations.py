@@ -105,7 +105,7 @@ def lower_group_query_attention(
 
     if starts is None:
         return one_window(op.CastLike(op.Where(allowed, bias, op.Constant(value_float=MINIMUM)), query))
-    fold = Folding(query, starts, heads, kv_heads)
+    fold = Folding(query, allowed, starts, heads, kv_heads)
     # A decode step whose pattern allows every slot (no padding) takes the bias as it is: GroupQueryAttention reads
     # each row's own slots alone, and no later one, and masking costs a pass over every head's longest window.
     everything = op.Cast(op.ReduceMin(op.Cast(allowed, to=INT32.dtype), keepdims=0), to=BOOL.dtype)
@@ -116,11 +116,11 @@ def lower_group_query_attention(
 
         def one_token(masked):  # every head's row in one op
             out, present_key, present_value = GROUP_QUERY_ATTENTION(
-                fold.states(query), fold.states(key), fold.states(value), fold.cache(key_cache),
+                fold.token_states(query), fold.token_states(key), fold.token_states(value), fold.cache(key_cache),
                 fold.cache(value_cache), op.Cast(fold.per_row(lengths), to=INT32.dtype), total, None, None, None,
                 op.CastLike(masked, query), num_heads=heads // kv_heads, kv_num_heads=1,
             )  # fmt: skip
-            return fold.output(out), present_key, present_value
+            return fold.token_output(out), present_key, present_value
 
         def unmasked_step():
             return one_token(fold.by_row(bias))
@@ -175,13 +175,15 @@ class Folding:
     Reshape back would copy the whole buffer: onnxruntime writes a graph output in place only where the op
     itself produces it). An If picks the form: folded where the heads' starts differ, else as one window."""
 
-    def __init__(self, query, starts, heads: int, kv_heads: int):
+    def __init__(self, query, allowed, starts, heads: int, kv_heads: int):
+        """`allowed`: the attention pattern `[batch, 1, seq, window]`, which every layer shares, so that onnxruntime
+        computes the batch and the one-token condition from it once for all layers."""
         self.query, self.starts, self.kv_heads, self.group = query, starts, kv_heads, heads // kv_heads
-        self.batch = op.Shape(query, start=0, end=1)  # outside the branches: the optimizer may merge both's
+        self.batch = op.Shape(allowed, start=0, end=1)  # outside the branches: the optimizer may merge both's
         self.earliest = op.ReduceMin(starts, keepdims=1)
         # Conditions, one element each as If takes: every head's rows start at one slot; one new token a row
         self.together = op.Equal(op.ReduceMax(starts, keepdims=1), self.earliest)
-        self.one_token = op.Equal(op.Shape(query, start=1, end=2), op.Constant(value_ints=[1]))
+        self.one_token = op.Equal(op.Shape(allowed, start=2, end=3), op.Constant(value_ints=[1]))
 
     def either(self, condition, then: Callable[[], tuple], otherwise: Callable[[], tuple]) -> tuple:
         """An If on `condition`: `then()`'s outputs (attention output, present key and value) where it holds, else
@@ -215,6 +217,15 @@ class Folding:
         shape = op.Concat(self.row_count, op.Shape(states, start=1, end=2), op.Constant(value_ints=[-1]), axis=0)
         return op.Reshape(op.Transpose(split, perm=[0, 2, 1, 3]), shape)
 
+    def token_states(self, states):
+        """`[batch, 1, kv_heads * width]` -> `[rows, 1, width]`: with one token a row, the same memory, so one Reshape
+        to a constant shape does what `states` does in five nodes (a decode step runs this per layer and tensor)."""
+        return op.Reshape(states, op.Constant(value_ints=[-1, 1, _last_dim(states) // self.kv_heads]))
+
+    def token_output(self, out):
+        """`[rows, 1, width]` -> `[batch, 1, kv_heads * width]`, the inverse of `token_states`."""
+        return op.Reshape(out, op.Constant(value_ints=[-1, 1, _last_dim(self.query)]))
+
     def output(self, out):
         """`[rows, seq, width]` -> `[batch, seq, kv_heads * width]`."""
         shape = op.Concat(
@@ -225,8 +236,7 @@ class Folding:
 
     def cache(self, cache):
         """`[batch, kv_heads, length, head_dim]` -> `[rows, 1, length, head_dim]`, the same memory."""
-        shape = op.Concat(self.row_count, op.Constant(value_ints=[1]), op.Shape(cache, start=2, end=4), axis=0)
-        return op.Reshape(cache, shape)
+        return op.Reshape(cache, op.Constant(value_ints=[-1, 1, 0, 0]))  # a 0 keeps the input's size there
 
     def per_row(self, per_head):
         """`[kv_heads]` -> `[rows]`."""
@@ -296,8 +306,7 @@ class Folding:
 
     def by_row(self, bias):
         """The bias `[batch, heads, seq or 1, width]` as `[rows, group, seq or 1, width]`."""
-        shape = op.Concat(self.row_count, op.Constant(value_ints=[self.group]), op.Shape(bias, start=2, end=4), axis=0)
-        return op.Reshape(bias, shape)
+        return op.Reshape(bias, op.Constant(value_ints=[-1, self.group, 0, 0]))  # a 0 keeps the input's size there
 
     def by_group(self, rows):
         """`[rows, seq, group * head_dim]` -> `[rows, group, seq, head_dim]`."""
@@ -342,7 +351,7 @@ def lower_onnx_attention(
     if starts is None:
         earlier = op.LessOrEqual(slots, op.Unsqueeze(cache_position, op.Constant(value_ints=[-1])))  # [seq, window]
         return one_window(op.Where(op.And(allowed, earlier), bias, minimum))
-    fold = Folding(query, starts, heads, kv_heads)
+    fold = Folding(query, allowed, starts, heads, kv_heads)
 
     def apart():
         # [kv_heads, 1, seq, window]: no key after the query in each head's own slots
@@ -367,6 +376,14 @@ def lower_onnx_attention(
         return one_window(op.Where(op.And(fold.shifted(allowed), earlier), bias, minimum), fold.earliest)
 
     return fold.either(fold.together, together, apart)
+
+
+def _last_dim(value) -> int:
+    """A traced value's last size, which the exported program fixes (the heads' widths)."""
+    size = value.shape[-1]
+    if not isinstance(size, int):
+        raise TypeError(f"expected a fixed last dimension, got {value.shape}")
+    return size
 
 
 def _joined(out):
