@@ -29,7 +29,6 @@ from runtime.text_stream import TextStream
 RESERVED_NEW_TOKENS = 256
 IDLE_CACHES = 4  # caches kept for later calls once the calls that used them have ended, most recent first
 PREFILL_WORKING_SET = 256 << 20  # bytes of a prefill run's attention terms (see chunk_size)
-ATTENTION_TERMS = 3  # [heads, chunk, keys] float32 tensors a run holds at once: the bias, the mask added, the scores
 KEEP_LAST = ort.OrtValue.ortvalue_from_numpy(np.ones(1, dtype=np.int64))  # logits_to_keep: the last position's
 
 
@@ -288,8 +287,8 @@ class Generator:
         batch row by row (into each row's part of the cache buffers) when its prompts span several chunks; the
         rows share one window of slots, so such a prefill drops none (pruning starts with the decode)."""
         batch, width = ids.shape
-        keys = self.artifact.manifest["cache"]["max_cache_len"] if self.artifact.static else cache.length or width
-        size = chunk_size(self.artifact, batch, keys, prefill_chunk)
+        buffer = self.artifact.manifest["cache"]["max_cache_len"] if self.artifact.static else cache.length or width
+        size = chunk_size(self.artifact, batch, buffer, prefill_chunk, window=width)  # the cache starts empty
         chunks = width > size or (cache.capacity is not None and width > cache.capacity)  # a pruned request's
         by_row = batch > 1 and chunks and self.artifact.attention == "gqa"
         if by_row and cache.capacity is not None and width > cache.capacity:
@@ -298,7 +297,7 @@ class Generator:
                 f"so its {width} positions must fit in the artifact's {cache.capacity} slots; send the prompts one "
                 "by one, or re-export with a larger --max-cache-len"
             )
-        step = chunk_size(self.artifact, 1, keys, prefill_chunk) if by_row else size
+        step = chunk_size(self.artifact, 1, buffer, prefill_chunk, window=width) if by_row else size
         rows = [slice(row, row + 1) for row in range(batch)] if by_row else [slice(0, batch)]
         logits = []
         for part in rows:
@@ -383,13 +382,19 @@ def bind_chunk(
     binding.bind_output("logits", device)
 
 
-def chunk_size(artifact: Artifact, rows: int, keys: int, most: int) -> int:
-    """How many tokens a prefill run takes: at most `most`, and few enough that its attention terms (a float32
-    bias and scores `[rows, heads, chunk, keys]`, a few times over, where `keys` is the cache buffer's length)
-    stay within PREFILL_WORKING_SET however long the prompt, so a long prompt's peak memory is the weights, the
-    cache and that."""
-    row_bytes = ATTENTION_TERMS * 4 * rows * artifact.manifest["model"]["num_heads"] * keys
-    return max(1, min(most, PREFILL_WORKING_SET // row_bytes))
+def chunk_size(artifact: Artifact, rows: int, buffer: int, most: int, window: int | None = None) -> int:
+    """How many tokens a prefill run takes: at most `most`, and few enough that its attention terms stay within
+    PREFILL_WORKING_SET however long the prompt, so a long prompt's peak memory is the weights, the cache and that.
+
+    The terms are float32 `[rows, heads, chunk, slots]` tensors: the scores, which GroupQueryAttention allocates
+    over the whole cache buffer (`buffer` slots), and the bias with its masked copy, over the slots a run attends
+    (`window`: the buffer where the caller cannot bound it, or where the graph pads the mask to the buffer, as for
+    ONNX Attention). A prompt into an empty cache of many more slots thus takes longer chunks than one that
+    fills it."""
+    if window is None or artifact.attention == "onnx-attention":
+        window = buffer
+    query_bytes = 4 * rows * artifact.manifest["model"]["num_heads"] * (buffer + 2 * min(window, buffer))
+    return max(1, min(most, PREFILL_WORKING_SET // query_bytes))
 
 
 def chunk_spans(width: int, size: int) -> list[tuple[int, int]]:

@@ -15,7 +15,7 @@ from kvg_export.onnx_model import OnnxFoxForCausalLM
 from kvg_export.presets import load_model
 from runtime import buffers
 from runtime.artifact import SessionOptions
-from runtime.generator import ATTENTION_TERMS, PREFILL_WORKING_SET, GenerationConfig, Generator, chunk_size
+from runtime.generator import PREFILL_WORKING_SET, GenerationConfig, Generator, chunk_size
 
 CPU = SessionOptions(provider="cpu")
 # Left-padded into a batch of width 11: chunks of 4 split it in three, and the short row's first chunk is all padding
@@ -133,13 +133,17 @@ def test_the_transformers_model_over_an_artifact_runs_a_long_input_in_chunks_as_
         assert_float32_close(run(4, kept)[0], whole_logits[:, -kept:])
 
 
-@pytest.mark.parametrize("keys", [1024, 16_640, 65_536])
-def test_a_prefill_runs_attention_terms_stay_within_the_working_set_however_long_the_cache(exported, keys):
-    """Chunks shrink as the cache grows, so a run's [rows, heads, chunk, keys] float32 terms stay bounded."""
+@pytest.mark.parametrize("buffer", [1024, 16_640, 65_536])
+def test_a_prefill_runs_attention_terms_stay_within_the_working_set_however_long_the_cache(exported, buffer):
+    """Chunks shrink as the cache grows, so a run's float32 terms stay bounded: GroupQueryAttention's scores
+    `[rows, heads, chunk, buffer]`, and the bias and its masked copy over the slots the run attends."""
     artifact = Generator.open(exported("fox-pro-tiny", "static")[0].path, CPU).artifact
+    assert artifact.attention == "gqa"
     heads = artifact.manifest["model"]["num_heads"]
     for rows in (1, 8):
-        chunk = chunk_size(artifact, rows, keys, most=256)
-        assert 1 <= chunk <= 256
-        assert chunk == 256 or ATTENTION_TERMS * 4 * rows * heads * keys * chunk <= PREFILL_WORKING_SET
-        assert ATTENTION_TERMS * 4 * rows * heads * keys * (chunk + 1) > PREFILL_WORKING_SET or chunk == 256
+        for window in (buffer, buffer // 4):  # a prompt as long as the buffer, or into an empty one 4x as long
+            chunk = chunk_size(artifact, rows, buffer, most=256, window=window)
+            terms = 4 * rows * heads * (buffer + 2 * window)  # bytes per token of the chunk
+            assert 1 <= chunk <= 256
+            assert chunk == 256 or terms * chunk <= PREFILL_WORKING_SET < terms * (chunk + 1)
+        assert chunk_size(artifact, rows, buffer, most=256) == chunk_size(artifact, rows, buffer, 256, window=buffer)
