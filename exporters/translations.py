@@ -107,8 +107,11 @@ def lower_group_query_attention(
         return one_window(op.CastLike(op.Where(allowed, bias, op.Constant(value_float=MINIMUM)), query))
     fold = Folding(query, allowed, starts, heads, kv_heads)
     # A decode step whose pattern allows every slot (no padding) takes the bias as it is: GroupQueryAttention reads
-    # each row's own slots alone, and no later one, and masking costs a pass over every head's longest window.
-    everything = op.Cast(op.ReduceMin(op.Cast(allowed, to=INT32.dtype), keepdims=0), to=BOOL.dtype)
+    # each row's own slots alone, and no later one, and masking costs a pass over every head's longest window. Only
+    # a one-token step asks, so the pattern's last row answers: all of a chunk's would cost a pass over [seq, window].
+    last_row = op.Slice(allowed, op.Constant(value_ints=[-1]), op.Constant(value_ints=[1 << 62]),
+                        op.Constant(value_ints=[2]))  # fmt: skip
+    everything = op.Cast(op.ReduceMin(op.Cast(last_row, to=INT32.dtype), keepdims=0), to=BOOL.dtype)
     unmasked = op.And(fold.one_token, everything)
 
     def apart():
