@@ -41,8 +41,9 @@ class DeviceCache:
         self.artifact, self.batch, self.device = artifact, batch, artifact.device
         in_place = held_in_place(artifact.static, artifact.attention)
         self.length = 0 if in_place and not artifact.static else None  # where `reserve` sets the buffers' length
-        self.moved = False  # in-place buffers were replaced since they were last bound
+        self.moved = False  # bindings are stale: in-place buffers were replaced, or their folding changed
         self.pairs = list(zip(artifact.past_names(), artifact.present_names(), strict=True))
+        self.dtypes = {past: artifact.input_spec(past)["dtype"] for past, _ in self.pairs}
         self.in_place = {past for past, _ in self.pairs if in_place and not _field(past).endswith("shift")}
         self.swapped = {past: present for past, present in self.pairs if in_place and past not in self.in_place}
         self.fed_back = [(i, past, present) for i, (past, present) in enumerate(self.pairs)
@@ -80,7 +81,7 @@ class DeviceCache:
             return
         grown_length = max(length, 2 * self.length)
         for past in self.in_place:
-            dtype = self.artifact.input_spec(past)["dtype"]
+            dtype = self.dtypes[past]
             held = buffers.to_host(self.past[past], dtype)
             grown = np.zeros((*held.shape[:2], grown_length, *held.shape[3:]), held.dtype)
             grown[:, :, : self.length] = held
@@ -104,6 +105,7 @@ class DeviceCache:
         self.thresholds, self.moved = None, True
         self.dropped = np.zeros((len(self.gate_names), self.heads), dtype=np.int64)  # positions each head dropped
         self.offsets[:] = 0
+        self.offset = 0  # positions dropped from the front of every head's buffer rows: where the window starts
         self.pruned_at = 0  # the filled positions when slots were last dropped
         self.counted = 0  # the window start up to which `window_mask` has counted the dropped positions
         for past, _ in self.pairs:
@@ -119,11 +121,6 @@ class DeviceCache:
         """Drop the slots every head's decay has put below its threshold (`[layers, heads]`, see
         runtime/pruning.py) from now on."""
         self.thresholds = np.asarray(thresholds)
-
-    @property
-    def offset(self) -> int:
-        """Positions dropped from the front of every head's buffer rows: where the attention window starts."""
-        return int(self.dropped.min())
 
     def window_mask(self, mask: np.ndarray, end: int) -> np.ndarray:
         """The attention mask of positions [offset, end) `[batch, end - offset]` for the slots the buffers hold.
@@ -166,9 +163,11 @@ class DeviceCache:
         for layer, drops in enumerate(slots - kept):
             if drops.max() > 0:
                 self._drop(layer, group, drops, slots[layer])
+        self.offset = int(self.dropped.min())
         offsets = self.dropped - self.offset
-        self.offsets[:] = offsets if self.windows == "head" else offsets[:, 0]
-        self.moved = True  # a layer's presents may now come folded, or no longer (see `_folded`)
+        offsets = offsets if self.windows == "head" else offsets[:, 0]
+        if not np.array_equal(offsets, self.offsets):  # a layer's presents may now come folded, or no longer
+            self.offsets[:], self.moved = offsets, True  # (see `_folded`)
         return room
 
     def _needs(self, slots: np.ndarray, rows) -> np.ndarray:
@@ -187,7 +186,7 @@ class DeviceCache:
         oldest `drops[h]` of the `held[h]` it held dropped; each buffer visits the host once for all its heads."""
         for past in self.layer_buffers[layer]:
             gates = past in self.gate_names  # a head's gate slots past its window must be zero (see `reset`)
-            with buffers.on_host(self.past[past], self.artifact.input_spec(past)["dtype"], self.device) as host:
+            with buffers.on_host(self.past[past], self.dtypes[past], self.device) as host:
                 for head in np.flatnonzero(drops > 0):
                     heads = slice(head * group, (head + 1) * group) if gates else head
                     buffers.move_slots(host, slice(None), int(drops[head]), int(held[head]), 0, heads, gates)
@@ -203,22 +202,25 @@ class DeviceCache:
         layer = self.folding.get(present)
         return layer is not None and self.offsets[layer].min() != self.offsets[layer].max()
 
-    def bind(self, binding: ort.IOBinding) -> None:
-        """Bind every past input and present output (after `logits`, which the caller binds first)."""
+    def bind(self, binding: ort.IOBinding, ahead: bool = False) -> None:
+        """Bind every past input and present output (after `logits`, which the caller binds first); `ahead`: for the
+        run after the next one, the swapped states' buffers trading roles in between."""
         self.moved = False
         if self.windows != "one":
             binding.bind_ortvalue_input(WINDOW_OFFSETS, self.offsets_value)
         for past, present in self.pairs:
+            if past in self.swapped:
+                read, written = (self.spare[past], self.past[past]) if ahead else (self.past[past], self.spare[past])
+                binding.bind_ortvalue_input(past, read)
+                binding.bind_ortvalue_output(present, written)
+                continue
             binding.bind_ortvalue_input(past, self.past[past])
             if self._folded(present):
-                dtype = self.artifact.input_spec(past)["dtype"]
                 buffers.bind_rows(
-                    binding.bind_output, present, self.past[past], dtype, self.device, 0, self.batch, True
+                    binding.bind_output, present, self.past[past], self.dtypes[past], self.device, 0, self.batch, True
                 )
             elif past in self.in_place:
                 binding.bind_ortvalue_output(present, self.past[past])
-            elif past in self.swapped:
-                binding.bind_ortvalue_output(present, self.spare[past])
             else:
                 binding.bind_output(present, self.device)
 
@@ -228,7 +230,7 @@ class DeviceCache:
         starts at zero and goes back and forth between the row's two buffers so that the last chunk leaves it
         where decode reads. Only for caches held in place (a fed-back cache's rows are new tensors each run)."""
         for past, present in self.pairs:
-            dtype = self.artifact.input_spec(past)["dtype"]
+            dtype = self.dtypes[past]
             if past in self.in_place:
                 buffers.bind_rows(binding.bind_input, past, self.past[past], dtype, self.device, row, 1)
                 buffers.bind_rows(binding.bind_output, present, self.past[past], dtype, self.device, row, 1)
@@ -239,14 +241,14 @@ class DeviceCache:
             buffers.bind_row_state(binding, (past, present), held, dtype, self.device, row, chunk, chunks)
         self.moved = True  # the next decode step binds every row again
 
-    def rebind(self, binding: ort.IOBinding) -> None:
-        """Between decode steps: bind what `advance` or `reserve` changed; other in-place buffers stay bound."""
-        if self.moved:
+    def bind_step(self, binding: ort.IOBinding, following: ort.IOBinding, fresh: bool = False) -> None:
+        """Before a decode step on `binding`, the next one to run on `following`: decode steps alternate between two
+        bindings as the swapped states' buffers do, so each is bound in full only when it is `fresh` or the cache
+        `moved`; in between, only the fed-back tensors change."""
+        if fresh or self.moved:
+            self.bind(following, ahead=True)
             self.bind(binding)
             return
-        for past, present in self.swapped.items():
-            binding.bind_ortvalue_input(past, self.past[past])
-            binding.bind_ortvalue_output(present, self.spare[past])
         for _, past, present in self.fed_back:
             binding.bind_ortvalue_input(past, self.past[past])
             binding.bind_output(present, self.device)

@@ -194,7 +194,7 @@ class Generator:
         if cache.thresholds is None:  # a pruned cache grows as its window does, if it grows at all
             cache.reserve(width + min(config.max_new_tokens - 1, RESERVED_NEW_TOKENS))
         binding = self.artifact.session.io_binding()
-        run = SessionClock(self.artifact.session, binding)
+        run = SessionClock(self.artifact.session)
         sampler = Sampler(config.sampling)
         stop_ids = set(self.eos) | set(config.stop_tokens)
         stops = np.array(sorted(stop_ids), dtype=np.int64)
@@ -208,7 +208,7 @@ class Generator:
 
         logits = self._prefill(binding, cache, ids, mask, config.prefill_chunk, run)
         prefill_ort_s = run.seconds
-        decode_one_token = DecodeStep(self.artifact, cache, binding, run)
+        decode_one_token = DecodeStep(self.artifact, cache, run)
         filled = width
         for step in range(config.max_new_tokens):
             banned = stops if step < config.min_new_tokens and stops.size else None
@@ -272,12 +272,12 @@ class Generator:
                 cache.reserve(width)
             binding = self.artifact.session.io_binding()
             mask = np.ones((batch, width), dtype=np.int64)
-            run = SessionClock(self.artifact.session, binding)
+            run = SessionClock(self.artifact.session)
             return self._prefill(binding, cache, ids, mask, prefill_chunk, run, every_position=True)
 
     def _prefill(
         self, binding: ort.IOBinding, cache: DeviceCache, ids: np.ndarray, mask: np.ndarray, prefill_chunk: int,
-        run: Callable[[], None], every_position: bool = False,
+        run: Callable[[ort.IOBinding], None], every_position: bool = False,
     ) -> np.ndarray:  # fmt: skip
         """Feed the prompts `ids` `[batch, width]` (`mask` covers at least `width`) in chunks of at most
         `prefill_chunk` tokens (see `chunk_size`), so that a run's attention terms and logits never grow with the
@@ -315,7 +315,7 @@ class Generator:
 
     def _feed(
         self, binding: ort.IOBinding, cache: DeviceCache, ids: np.ndarray, mask: np.ndarray, filled: int, most: int,
-        run: Callable[[], None], row_chunk: tuple[int, int, int] | None = None, last_only: bool = False,
+        run: Callable[[ort.IOBinding], None], row_chunk: tuple[int, int, int] | None = None, last_only: bool = False,
     ) -> tuple[ort.OrtValue, int]:  # fmt: skip
         """Feed up to `most` of the prompt `ids` `[batch, width]` after its first `filled` positions, as many as
         the cache has room for (`mask` covers at least `width`); returns the logits `[batch, new, vocab]` where
@@ -333,7 +333,7 @@ class Generator:
             cache.bind(binding)
         else:
             cache.bind_row(binding, *row_chunk)
-        run()
+        run(binding)
         outputs = binding.get_outputs()
         if row_chunk is None:
             cache.advance(outputs)
@@ -341,14 +341,14 @@ class Generator:
 
 
 class SessionClock:
-    """Runs a session on one binding and adds up the seconds spent inside it."""
+    """Runs a session on a binding and adds up the seconds spent inside it."""
 
-    def __init__(self, session: ort.InferenceSession, binding: ort.IOBinding):
-        self.session, self.binding, self.seconds = session, binding, 0.0
+    def __init__(self, session: ort.InferenceSession):
+        self.session, self.seconds = session, 0.0
 
-    def __call__(self) -> None:
+    def __call__(self, binding: ort.IOBinding) -> None:
         began = time.perf_counter()
-        self.session.run_with_iobinding(self.binding)
+        self.session.run_with_iobinding(binding)
         self.seconds += time.perf_counter() - began
 
 
