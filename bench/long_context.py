@@ -244,7 +244,10 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="warm-up rounds, at the shortest prompt length (a worker's first runs are what warm up)",
     )
-    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument(
+        "--new-tokens", type=int, default=256,
+        help="greedy tokens generated after each prompt: a round's decode lasts that many steps of each system",
+    )  # fmt: skip
     parser.add_argument(
         "--prompt-ids", choices=sorted(PROMPT_IDS), default="text",
         help="the prompts' tokens: held-out text (realistic forget gates) or random ids",
