@@ -3,6 +3,9 @@ run one after another through the Generator that `kvg-generate` runs, in one int
 
 The server (a `kvg-serve` process on the model's static artifact) and the sequential baseline (in this
 process, on the dynamic artifact `make export` makes by default) take turns, in a rotating order, each run.
+So does a third system: the Generator over the server's static artifact taking the 8-client level's requests
+--batch at a time, each batch in one call (all its rows start and end together, no HTTP): what the batched
+decode step itself gives, against which the server's scheduling and HTTP work can be read.
 Every request is a random prompt of --prompt tokens and exactly --new-tokens greedy new ones. Each client
 sends its requests one after another over a stream (a closed loop), so a level keeps that many requests in
 flight. Throughput is all tokens generated over the level's wall time; time to first token is from sending
@@ -32,19 +35,22 @@ from runtime.serve_process import kvg_serve
 BEGIN, END = "<!-- serve:begin -->", "<!-- serve:end -->"
 STATIC_LENGTH = 512  # room for a 128-token prompt and 128 new tokens, with rows at different offsets
 TARGET_AT_8 = 4.0  # total tokens/s at 8 clients over the sequential figure (issue 33)
+BATCHED = "batches in one call (Generator, static artifact)"
 
 
 def workload(count: int, vocab: int, prompt: int, seed: int) -> list[list[int]]:
     return np.random.default_rng(seed).integers(3, vocab, (count, prompt)).tolist()
 
 
-def sequential(generator: Generator, prompts: list[list[int]], new_tokens: int) -> dict:
+def sequential(generator: Generator, prompts: list[list[int]], new_tokens: int, batch: int = 1) -> dict:
+    """The prompts through `generator`, `batch` at a time in one call, one call after another."""
     config = GenerationConfig(new_tokens, new_tokens)
     start, ttfts, tpots = time.perf_counter(), [], []
-    for prompt in prompts:
-        result = generator.generate([prompt], config)
-        ttfts.append(result.time_to_first_token_s)
-        tpots.append(1 / result.decode_tokens_per_s)
+    for first in range(0, len(prompts), batch):
+        rows = len(prompts[first : first + batch])
+        result = generator.generate(prompts[first : first + batch], config)
+        ttfts += [result.time_to_first_token_s] * rows
+        tpots += [rows / result.decode_tokens_per_s] * rows  # each step yields a token of every row
     wall = time.perf_counter() - start
     return {"tokens_per_s": len(prompts) * new_tokens / wall, "ttft_s": ttfts, "tpot_s": tpots}
 
@@ -140,6 +146,12 @@ def table(results: dict) -> str:
             "",
             f"Target: at 8 clients, {TARGET_AT_8:.0f}x the sequential tokens/s: {met} by the median ({runs}).",
         ]
+    batched = next((row for row in results["rows"] if row["system"] == BATCHED), None)
+    if batched:
+        lines.append(
+            f"Batches of {batched['clients']} in one call each, without scheduling or HTTP: "
+            f"{batched['vs_sequential']['median']:.2f}x."
+        )
     return "\n".join([*lines, END])
 
 
@@ -152,14 +164,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--max-batch", type=int, default=16, help="the server's rows (the artifact's max batch)")
+    parser.add_argument("--batch", type=int, default=8, help="rows of the Generator's batched calls (0: none)")
     parser.add_argument("--server-flags", default="", help='more kvg-serve flags, e.g. "--max-queue 8"')
     args = parser.parse_args(argv)
     threads = os.cpu_count()
     static = artifact(args.model, "static", STATIC_LENGTH, "gqa")
     generator = Generator.open(artifact(args.model, "dynamic", None, "gqa"), SessionOptions("cpu", threads))
+    batched = Generator.open(static, SessionOptions("cpu", threads)) if args.batch else None
     vocab = generator.artifact.vocab_size
-    counts = {c: args.requests or max(2 * c, 8) for c in args.clients}
-    levels = ["sequential", *args.clients]
+    counts = {c: args.requests or max(2 * c, 8) for c in [*args.clients, args.batch]}
+    levels = ["sequential", *(["batch"] if args.batch else []), *args.clients]
     runs: dict = {level: [] for level in levels}
     with kvg_serve(static, server_flags(args.max_batch, threads, args.server_flags.split())) as (server, url):
         asyncio.run(concurrent(url, workload(2, vocab, args.prompt, seed=10**6), 2, args.new_tokens))  # warm-up
@@ -170,12 +184,19 @@ def main(argv: list[str] | None = None) -> int:
                 if level == "sequential":
                     runs[level].append(sequential(generator, prompts, args.new_tokens))
                     settle(os.getpid())
+                elif level == "batch":
+                    prompts = workload(counts[args.batch], vocab, args.prompt, seed=run)
+                    runs[level].append(sequential(batched, prompts, args.new_tokens, args.batch))
+                    settle(os.getpid())
                 else:
                     runs[level].append(asyncio.run(concurrent(url, prompts, level, args.new_tokens)))
                     settle(server.pid)
                 print(f"run {run + 1}/{args.runs}: {level}: {runs[level][-1]['tokens_per_s']:.0f} tokens/s", flush=True)
     baseline = runs["sequential"]
     rows = [{**summarize("sequential (Generator, dynamic artifact)", baseline, baseline), "clients": 1, "requests": 8}]
+    if args.batch:
+        rows.append({**summarize(BATCHED, runs["batch"], baseline), "clients": args.batch,
+                     "requests": counts[args.batch]})  # fmt: skip
     rows += [{**summarize("kvg-serve", runs[c], baseline), "clients": c, "requests": counts[c]} for c in args.clients]
     results = {"machine": machine(), "settings": {**vars(args), "threads": threads}, "rows": rows}
     record("serve.json", results, BEGIN, END, table(results))
