@@ -37,10 +37,11 @@ class RowCache:
         self.scratch = {past: (self._zeros(past, 1), self._zeros(past, 1)) for past, _ in self.shifted}
 
     def _zeros(self, name: str, rows: int) -> ort.OrtValue:
-        """Zeroed, since a slot no request wrote is still read (with weight exactly 0) and 0 * NaN is NaN."""
+        """Zeroed, since a slot no request wrote is still read (with weight exactly 0) and 0 * NaN is NaN; touched
+        now, so that a request's first run into a row does not stall every other row on page faults."""
         spec = self.artifact.input_spec(name)
         shape = [rows if axis == "batch" else axis for axis in spec["axes"]]
-        return buffers.zeros(shape, self.dtypes[name], self.device)
+        return buffers.zeros(shape, self.dtypes[name], self.device, touched=True)
 
     def _bind(self, bind, name: str, past: str, value: ort.OrtValue, first: int, count: int) -> None:
         """Bind rows [first, first + count) of `value` (a buffer of tensor `past`) as `name`, by address."""

@@ -1,5 +1,7 @@
 """bf16 cache buffers, which numpy has no type for, reach onnxruntime as the values torch means by them."""
 
+import os
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -78,3 +80,21 @@ def test_moving_slots_equals_copying_them_out_first_overlapping_or_not():
                                 expected[row, head, to + end - begin : end] = 0
                             expected[row, head, to : to + end - begin] = data[row, head, begin:end]
                     np.testing.assert_array_equal(buffers.to_host(value, dtype), expected)
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_touched_buffer_is_resident_and_zero_from_the_start_and_an_untouched_one_is_not_resident():
+    """What RowCache relies on: its rows' pages are faulted in when it is made, not at a request's first write."""
+    size = 64 << 20
+    before = resident_bytes()
+    untouched = buffers.zeros([size // 4], "float32", "cpu")
+    grown = resident_bytes() - before
+    touched = buffers.zeros([size // 4], "float32", "cpu", touched=True)
+    assert resident_bytes() - before - grown > 0.9 * size
+    assert grown < 0.1 * size
+    for value in (touched, untouched):
+        assert not buffers.to_host(value, "float32").any()
