@@ -17,16 +17,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
 import time
+from contextlib import AsyncExitStack
 
-import httpx
 import numpy as np
 from report import record
 from run import artifact, machine, settle, spread
+from sse_client import Connection
 
 from runtime.artifact import SessionOptions
 from runtime.generator import GenerationConfig, Generator
@@ -55,20 +55,15 @@ def sequential(generator: Generator, prompts: list[list[int]], new_tokens: int, 
     return {"tokens_per_s": len(prompts) * new_tokens / wall, "ttft_s": ttfts, "tpot_s": tpots}
 
 
-async def one_request(http: httpx.AsyncClient, prompt: list[int], new_tokens: int) -> tuple[float, float, int]:
+async def one_request(connection: Connection, prompt: list[int], new_tokens: int) -> tuple[float, float, int]:
     body = {"prompt": prompt, "max_tokens": new_tokens, "min_tokens": new_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
     sent, first, tokens = time.perf_counter(), None, 0
-    async with http.stream("POST", "/v1/completions", json=body) as answer:
-        answer.raise_for_status()
-        async for line in answer.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if chunk["choices"] and first is None:
-                first = time.perf_counter()
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
+    async for chunk in connection.events("/v1/completions", body):
+        if isinstance(chunk, dict) and chunk["choices"] and first is None:
+            first = time.perf_counter()
+        if isinstance(chunk, dict) and chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
     end = time.perf_counter()
     return first - sent, (end - first) / max(tokens - 1, 1), tokens
 
@@ -78,14 +73,14 @@ async def concurrent(url: str, prompts: list[list[int]], clients: int, new_token
     waiting = list(reversed(prompts))
     results = []
 
-    async def client(http: httpx.AsyncClient) -> None:
+    async def client(connection: Connection) -> None:
         while waiting:
-            results.append(await one_request(http, waiting.pop(), new_tokens))
+            results.append(await one_request(connection, waiting.pop(), new_tokens))
 
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+    async with AsyncExitStack() as connections:
+        opened = [await connections.enter_async_context(await Connection.open(url)) for _ in range(clients)]
         start = time.perf_counter()
-        await asyncio.gather(*(client(http) for _ in range(clients)))
+        await asyncio.gather(*(client(connection) for connection in opened))
         wall = time.perf_counter() - start
     assert all(tokens == new_tokens for _ttft, _tpot, tokens in results), "a request ended early"
     return {

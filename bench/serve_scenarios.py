@@ -23,11 +23,11 @@ import sys
 import time
 from contextlib import ExitStack
 
-import httpx
 import numpy as np
 from report import record
 from run import artifact, machine, settle
 from serve_load import server_flags
+from sse_client import Connection
 
 from runtime.serve_process import kvg_serve
 
@@ -38,32 +38,31 @@ GAP_TARGET = 3.0  # a stream's largest wait between two tokens over its median w
 TTFT_TARGET = 0.3  # time to first token with the prefix cache over without, at most
 
 
-async def stream_times(http: httpx.AsyncClient, prompt: list[int], new_tokens: int, arrived: list[float]) -> None:
+async def stream_times(url: str, prompt: list[int], new_tokens: int, arrived: list[float]) -> None:
     """Append each token's arrival time to `arrived` as its chunk comes."""
     body = {"prompt": prompt, "max_tokens": new_tokens, "min_tokens": new_tokens, "temperature": 0, "stream": True,
             "logprobs": 0}  # fmt: skip
-    async with http.stream("POST", "/v1/completions", json=body) as answer:
-        answer.raise_for_status()
-        async for line in answer.aiter_lines():
-            if line.startswith("data: {") and (choices := json.loads(line[6:])["choices"]):
+    async with await Connection.open(url) as connection:
+        async for chunk in connection.events("/v1/completions", body):
+            if isinstance(chunk, dict) and (choices := chunk["choices"]):
                 arrived += [time.perf_counter()] * len(choices[0]["logprobs"]["tokens"])
 
 
 async def long_prompt_among_streams(url: str, vocab: int, seed: int, long_prompt: int, new_tokens: int) -> dict:
     rng = np.random.default_rng(seed)
     streams = [[] for _ in range(8)]
-    async with httpx.AsyncClient(base_url=url, timeout=600) as http:
-        running = [
-            asyncio.create_task(stream_times(http, rng.integers(3, vocab, 128).tolist(), new_tokens, times))
-            for times in streams
-        ]
-        while min(map(len, streams)) < 16 and not all(task.done() for task in running):
-            await asyncio.sleep(0.005)
-        sent = time.perf_counter()
-        body = {"prompt": rng.integers(3, vocab, long_prompt).tolist(), "max_tokens": 1, "temperature": 0}
-        (await http.post("/v1/completions", json=body)).raise_for_status()
-        long_ttft = time.perf_counter() - sent
-        await asyncio.gather(*running)
+    running = [
+        asyncio.create_task(stream_times(url, rng.integers(3, vocab, 128).tolist(), new_tokens, times))
+        for times in streams
+    ]
+    while min(map(len, streams)) < 16 and not all(task.done() for task in running):
+        await asyncio.sleep(0.005)
+    sent = time.perf_counter()
+    body = {"prompt": rng.integers(3, vocab, long_prompt).tolist(), "max_tokens": 1, "temperature": 0}
+    async with await Connection.open(url) as connection:
+        await connection.post("/v1/completions", body)
+    long_ttft = time.perf_counter() - sent
+    await asyncio.gather(*running)
     ratios, largest, medians = [], [], []
     for times in streams:
         gaps = np.diff(times)
@@ -80,15 +79,14 @@ async def shared_prefix(url: str, vocab: int, seed: int, prefix: int, requests: 
     waiting = [shared + rng.integers(3, vocab, 32).tolist() for _ in range(requests)]
     ttfts = []
 
-    async def client(http: httpx.AsyncClient) -> None:
+    async def client() -> None:
         while waiting:
             arrived = []
             sent = time.perf_counter()
-            await stream_times(http, waiting.pop(), 16, arrived)
+            await stream_times(url, waiting.pop(), 16, arrived)
             ttfts.append(arrived[0] - sent)
 
-    async with httpx.AsyncClient(base_url=url, timeout=600) as http:
-        await asyncio.gather(*(client(http) for _ in range(clients)))
+    await asyncio.gather(*(client() for _ in range(clients)))
     return {"ttft_s": ttfts}
 
 
