@@ -20,6 +20,7 @@ from exporters.evaluate import (
     evaluate,
     write_json,
 )
+from exporters.progress import Progress
 from kvg_export.corpus import SPLITS
 from runtime.artifact import SessionOptions
 
@@ -73,11 +74,13 @@ def main(argv: list[str] | None = None) -> int:
         print("kvg-eval: error: --max-windows must be at least 1", file=sys.stderr)
         return 2
     try:
-        evaluation = evaluate(
-            args.model, args.artifact, split=args.split, text_paths=args.text, context=args.context,
-            max_windows=args.max_windows, session_options=SessionOptions(args.provider, args.threads),
-            thresholds=Thresholds(args.max_perplexity_diff, args.min_agreement), bands=args.bands,
-        )  # fmt: skip
+        with Progress(lambda line: print(line, file=sys.stderr, flush=True), "kvg-eval") as progress:
+            evaluation = evaluate(
+                args.model, args.artifact, split=args.split, text_paths=args.text, context=args.context,
+                max_windows=args.max_windows, session_options=SessionOptions(args.provider, args.threads),
+                thresholds=Thresholds(args.max_perplexity_diff, args.min_agreement), bands=args.bands,
+                progress=progress,
+            )  # fmt: skip
     except EvalError as error:
         print(f"kvg-eval: error: {error}", file=sys.stderr)
         return 2

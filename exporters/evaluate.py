@@ -28,9 +28,10 @@ from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
-from tokenizers import Tokenizer
 
+from exporters.checkpoint_tokenizer import CheckpointTokenizer, TokenizerError, read_tokenizer
 from exporters.manifest import source_digest
+from exporters.progress import Progress, untracked
 from kvg_export.corpus import Document, describe, read_split, split_digest, token_stream, windows
 from kvg_export.folders import write_whole
 from kvg_export.presets import load_model, resolve_checkpoint
@@ -241,17 +242,21 @@ def check_text_paths(text_paths: list[Path] | None) -> list[Path]:
     return files
 
 
-def check_tokenizer(checkpoint: Path, vocab_size: int) -> Tokenizer:
-    path = checkpoint / "tokenizer.json"
-    if not path.is_file():
-        raise EvalError(f"{checkpoint} has no tokenizer.json: the text cannot be tokenized for this model")
-    tokenizer = Tokenizer.from_file(str(path))
-    if tokenizer.get_vocab_size() > vocab_size:
+def check_tokenizer(checkpoint: Path, vocab_size: int) -> CheckpointTokenizer:
+    """The checkpoint's tokenizer (exporters/checkpoint_tokenizer.py), if it fits the model's vocabulary."""
+    try:
+        found = read_tokenizer(checkpoint)
+    except TokenizerError as error:
+        raise EvalError(str(error)) from None
+    if found is None:
+        raise EvalError(f"{checkpoint} has no tokenizer files: the text cannot be tokenized for this model")
+    size = found.bpe().get_vocab_size()
+    if size > vocab_size:
         raise EvalError(
-            f"{path} has {tokenizer.get_vocab_size()} ids but the model's vocabulary has {vocab_size}: "
+            f"{checkpoint / found.source}: {size} ids, but the model's vocabulary has {vocab_size}: "
             "the tokenizer does not belong to this model"
         )
-    return tokenizer
+    return found
 
 
 def _open_artifact(folder: Path, checkpoint: Path, vocab_size: int, options: SessionOptions) -> Generator:
@@ -309,20 +314,27 @@ def run_eager(
     max_windows: int | None = None,
     bands: list[tuple[int, int]] | None = None,
     for_artifact: bool = False,
+    progress: Progress | None = None,
+    passes: int = 1,
 ) -> EagerRun:
     """Tokenize the text into windows of `context` tokens and score them with `eager_model` (a FoxForCausalLM);
     `bands` (None: default_bands of the longest window) must fit in the windows, which `for_artifact` are cut
-    to an artifact's length (a band too long for them is then fixed by exporting a longer one)."""
+    to an artifact's length (a band too long for them is then fixed by exporting a longer one). `progress` counts
+    the windows scored, planned for `passes` over them (eager's, and an artifact's after it)."""
     config = eager_model.config
     try:
         documents, text = _documents(split, text_paths)
     except (ValueError, FileNotFoundError) as error:
         raise EvalError(str(error)) from None
-    tokenizer = check_tokenizer(checkpoint, config.vocab_size)
+    found = check_tokenizer(checkpoint, config.vocab_size)
+    tokenizer = found.text_tokenizer()
     eos = config.eos_token_id[0] if isinstance(config.eos_token_id, list) else config.eos_token_id
+    eos = found.special_ids.get("eos") if eos is None else eos
     longest_first = context > DEFAULT_CONTEXT
-    stream = token_stream(tokenizer, documents, eos, longest_first)
-    chosen = windows(stream, context)[:max_windows]
+    # Text as the model was trained on it (escaped, for the released FoX checkpoints), each window after its BOS
+    escaped = [Document(document.path, tokenizer.escape(document.text)) for document in documents]
+    stream = token_stream(tokenizer.bpe, escaped, eos, longest_first)
+    chosen = windows(stream, context, tokenizer.rules.bos)[:max_windows]
     if not chosen:
         where = f"the {split} split" if text_paths is None else "the text"
         raise EvalError(f"no text to evaluate: {where} gives {len(stream)} tokens, fewer than the 2 a window needs")
@@ -339,7 +351,10 @@ def run_eager(
             )
     began = time.perf_counter()
     eager_batch = max(1, EAGER_BATCH_TOKENS // context)
-    scores = score_windows(partial(eager_logit_blocks, eager_model), chosen, eager_batch, config.vocab_size)
+    progress = progress or untracked()
+    progress.plan(passes * len(chosen), "windows scored")
+    scores = score_windows(partial(eager_logit_blocks, eager_model), chosen, eager_batch, config.vocab_size,
+                           progress.advance)  # fmt: skip
     return EagerRun(text, context, chosen, bands, scores, time.perf_counter() - began)
 
 
@@ -355,10 +370,12 @@ def evaluate(
     thresholds: Thresholds | None = None,
     bands: list[tuple[int, int]] | None = None,
     eager: EagerRun | None = None,
+    progress: Progress | None = None,
 ) -> Evaluation:
     """Score the text with eager PyTorch (float32) and, given an artifact, with the runtime; `bands` (first and
     last window position, inclusive; None: default_bands of the longest window) also get figures of their own,
-    held to the same thresholds. `eager`: eager's run, made already (on the windows this artifact takes)."""
+    held to the same thresholds. `eager`: eager's run, made already (on the windows this artifact takes).
+    `progress` counts the windows each system scores."""
     if context < 2:
         raise EvalError(f"the context must be at least 2 tokens, got {context}")
     for first, last in bands or ():
@@ -375,11 +392,15 @@ def evaluate(
         generator = _open_artifact(artifact, checkpoint, vocab_size, session_options or SessionOptions())
         if generator.artifact.static:
             context = min(context, generator.artifact.manifest["cache"]["max_cache_len"])
+    progress = progress or untracked()
     if eager is None:
         eager = run_eager(load_model(checkpoint), checkpoint, split=split, text_paths=text_paths, context=context,
-                          max_windows=max_windows, bands=bands, for_artifact=artifact is not None)  # fmt: skip
+                          max_windows=max_windows, bands=bands, for_artifact=artifact is not None,
+                          progress=progress, passes=1 + (artifact is not None))  # fmt: skip
     elif eager.context != context:
         raise ValueError(f"eager scored windows of {eager.context} tokens; this artifact takes {context}")
+    elif generator is not None:
+        progress.plan(len(eager.windows), "windows scored")
     evaluation = Evaluation(
         model=str(model), text=eager.text, window_tokens=context, windows=len(eager.windows),
         predicted_tokens=int(eager.scores.nll.size), thresholds=thresholds or Thresholds(),
@@ -389,7 +410,8 @@ def evaluate(
     if generator is not None:
         began = time.perf_counter()
         max_batch = generator.artifact.manifest["cache"]["max_batch"]
-        artifact_scores = score_windows(generator.teacher_forced_logits, eager.windows, max_batch, vocab_size)
+        artifact_scores = score_windows(generator.teacher_forced_logits, eager.windows, max_batch, vocab_size,
+                                        progress.advance)  # fmt: skip
         evaluation.artifact = SystemResult.of(str(artifact), artifact_scores, time.perf_counter() - began)
         evaluation.top1_agreement = float((artifact_scores.top1 == eager.scores.top1).mean())
     scored = (eager.scores, artifact_scores)

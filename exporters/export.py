@@ -22,13 +22,16 @@ import onnxruntime as ort
 
 from exporters.apart import ApartError, named, run_apart
 from exporters.cache_check import CacheCheck, check_cache
+from exporters.checkpoint_tokenizer import CheckpointTokenizer, TokenizerError, read_tokenizer
 from exporters.contract import DEFAULT_OPSET, DYNAMIC_MAX_POSITIONS
 from exporters.evaluate import EagerRun, EvalError, Evaluation, Thresholds, evaluate
 from exporters.manifest import MANIFEST_NAME, check_graph_matches
 from exporters.preflight import PreflightError, preflight
+from exporters.progress import Progress
 from exporters.quantization import Quantization, QuantizationError
 from exporters.stages import stage
 from exporters.validate import MIN_STATIC_LENGTH, References, ValidationReport, validate_onnx
+from kvg_export.fla_format import is_fla, official_config
 from kvg_export.folders import publish, staging_folder
 from kvg_export.presets import resolve_checkpoint
 from runtime.device_cache import held_in_place
@@ -42,8 +45,10 @@ OPSETS = range(18, 25)
 ONNX_ATTENTION_OPSET = 24  # the first with TensorScatter and Attention's nonpad_kv_seqlen
 DEFAULT_MAX_CACHE_LEN = 1024
 DEFAULT_MAX_BATCH = 16
+# The checkpoint's files an artifact carries as they are: transformers reads them from the artifact folder too (a slow
+# tokenizer's vocab.json and merges.txt as well, besides the tokenizer.json the runtime reads)
 COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                "special_tokens_map.json", "chat_template.jinja")  # fmt: skip
+                "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt")  # fmt: skip
 REPORT_NAME = "validation.json"
 # A quantized artifact must score held-out text nearly as eager fp32 does (relative perplexity difference,
 # top-1 agreement). The trained presets measure int8 +0.02% and 99.1%, int4 +1.8% and 92% (bench/README.md).
@@ -252,16 +257,17 @@ def export_artifact(options: ExportOptions, log: Callable[[str], None] = print) 
         checkpoint = resolve_checkpoint(options.model, build=False) or _apart_or_here(
             options, "kvg_export.presets:resolve_checkpoint", options.model
         )  # building a preset's weights takes torch
+        tokenizer = read_tokenizer(checkpoint)
         quantized = options.quantization is not None
         preflight(checkpoint, options.out, options.dtype, quantized, options.quality.text_paths)
-    except (ValueError, FileNotFoundError, PreflightError) as error:
+    except (ValueError, FileNotFoundError, PreflightError, TokenizerError) as error:
         raise ExportError(str(error)) from None
     try:
         staging = staging_folder(options.out)
     except OSError as error:
         raise ExportError(f"cannot write to {options.out.parent}: {error.strerror or error}") from None
     try:
-        result = _build(options, checkpoint, staging, log)
+        result = _build(options, checkpoint, tokenizer, staging, log)
         publish(staging, options.out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -282,17 +288,20 @@ def _apart_or_here(options: ExportOptions, target: str, *args, **kwargs):
 
 
 def _float_graph(
-    options: ExportOptions, checkpoint: Path, model_path: Path, log: Callable[[str], None]
-) -> tuple[dict, ValidationReport, EagerRun | None]:
+    options: ExportOptions, checkpoint: Path, tokenizer: CheckpointTokenizer | None, model_path: Path,
+    log: Callable[[str], None],
+) -> tuple[dict, ValidationReport, EagerRun | None]:  # fmt: skip
     """The float graph at `model_path`, made by the torch half in a process of its own, then checked and
     validated here; returns its manifest, the validation and eager's scores on held-out text (quantized only)."""
     try:
-        lowered = _apart_or_here(options, "exporters.lowering:lower", options, checkpoint, model_path, log=log)
+        lowered = _apart_or_here(
+            options, "exporters.lowering:lower", options, checkpoint, tokenizer, model_path, log=log
+        )
     except ApartError as error:
         raise ExportError(f"loading, tracing and lowering the model failed: {error}") from None
     manifest = lowered.manifest
     stage(
-        log, "check", lambda: _check(model_path, manifest, options.opset),
+        log, "check", lambda _: _check(model_path, manifest, options.opset),
         lambda _: "onnx.checker (full), graph inputs and outputs against the manifest",
     )  # fmt: skip
     try:
@@ -305,7 +314,7 @@ def _float_graph(
         raise ExportError(_NO_CUDA)
     references = lowered.references
     report = stage(
-        log, "validate", lambda: validate_onnx(references, session),
+        log, "validate", lambda progress: validate_onnx(references, session, progress),
         lambda r: f"onnxruntime vs eager's record: prefill + {r.decode_steps} greedy steps, batch {r.batch}"
         + (" (also with longer buffers, as the runtime runs it)" if "onnx-longer" in references.starts else "")
         + ("; then with each layer's heads apart, as pruning runs it" if references.apart else ""),
@@ -318,20 +327,28 @@ def _float_graph(
     return manifest, report, lowered.eager
 
 
-def _build(options: ExportOptions, checkpoint: Path, staging: Path, log: Callable[[str], None]) -> ExportResult:
+def _build(
+    options: ExportOptions, checkpoint: Path, tokenizer: CheckpointTokenizer | None, staging: Path,
+    log: Callable[[str], None],
+) -> ExportResult:  # fmt: skip
     quantization = options.quantization
     # A quantized export validates its float graph first, in a folder of its own, then quantizes it.
     float_folder = staging / "float" if quantization else staging
     float_folder.mkdir(exist_ok=True)
-    manifest, report, eager = _float_graph(options, checkpoint, float_folder / "model.onnx", log)
+    manifest, report, eager = _float_graph(options, checkpoint, tokenizer, float_folder / "model.onnx", log)
     for name in COPIED_FILES:
         if (checkpoint / name).is_file():
             shutil.copy2(checkpoint / name, staging / name)
+    if tokenizer is not None:  # the runtime's, which a slow tokenizer's files are built into
+        tokenizer.bpe().save(str(staging / manifest["files"]["tokenizer"]))
+    config = json.loads((checkpoint / "config.json").read_text())
+    if is_fla(config):  # the artifact is the official FoX the checkpoint maps onto, as transformers loads it
+        (staging / "config.json").write_text(json.dumps(official_config(config), indent=2) + "\n")
     result = ExportResult(staging, 0, report)
     reports = {"parity": report.to_json()}
     if quantization:
         manifest["quantization"] = stage(
-            log, "quantize", lambda: _quantize(float_folder, staging, quantization),
+            log, "quantize", lambda progress: _quantize(float_folder, staging, quantization, progress),
             lambda record: f"{quantization.name} MatMulNBits ({quantization.method}, block {quantization.block_size}, "
             f"accuracy level {quantization.accuracy_level}): {len(record['quantized_nodes'])} nodes quantized, "
             f"{len(record['float_nodes'])} kept in float",
@@ -365,13 +382,13 @@ def _check(model_path: Path, manifest: dict, opset: int) -> None:
         raise ExportError(str(error)) from None
 
 
-def _quantize(float_folder: Path, staging: Path, quantization: Quantization) -> dict:
+def _quantize(float_folder: Path, staging: Path, quantization: Quantization, progress: Progress) -> dict:
     # Imported here: what quantizing imports (onnx_ir, and sympy with it) would otherwise be held in this process
     # all the while the torch half runs, which is the export's peak
     from exporters.quantize import quantize_graph
 
     try:
-        return quantize_graph(float_folder / "model.onnx", staging / "model.onnx", quantization)
+        return quantize_graph(float_folder / "model.onnx", staging / "model.onnx", quantization, progress)
     except QuantizationError as error:
         raise ExportError(str(error)) from None
 
@@ -382,7 +399,7 @@ def _judge_quantized(
     """The cache checks, then held-out text through the artifact against eager fp32's scores (made by the torch
     half); raise ExportError on a miss."""
     cache = stage(
-        log, "cache", lambda: check_cache(staging, min(2, options.max_batch)),
+        log, "cache", lambda _: check_cache(staging, min(2, options.max_batch)),
         lambda c: f"runtime (cache bound in place) vs session.run: prefill + {c.decode_steps} steps, "
         f"{c.presents_checked} present tensors' shapes, logits max |Δ| {c.max_logits_diff:.2e}",
     )  # fmt: skip
@@ -392,8 +409,9 @@ def _judge_quantized(
     thresholds = quality.thresholds or QUALITY_THRESHOLDS[options.quantization.bits]
     try:
         evaluation = stage(
-            log, "quality", lambda: evaluate(options.model, staging, text_paths=quality.text_paths,
-                                             max_windows=quality.windows, thresholds=thresholds, eager=eager),
+            log, "quality", lambda progress: evaluate(options.model, staging, text_paths=quality.text_paths,
+                                                      max_windows=quality.windows, thresholds=thresholds, eager=eager,
+                                                      progress=progress),
             lambda e: f"the artifact vs eager fp32 on {e.windows} windows of held-out text "
             f"({e.predicted_tokens:,} tokens predicted)",
         )  # fmt: skip

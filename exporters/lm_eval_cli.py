@@ -2,7 +2,9 @@
 `local-completions` model, requests as token ids), against eager PyTorch on the checkpoint it was exported
 from (its `hf` model), or both, so that the served model is scored as the harness scores any other and
 the two scores can be compared. Tasks: the project's `kvg_stdlib` (exporters/lm_eval_tasks, no download)
-or any the harness knows."""
+or any the harness knows. Both tokenize with the artifact's tokenizer through transformers (the released FoX
+checkpoints' JSONGPT2Tokenizer is registered by importing kvg_export), with its BOS first where the manifest's
+`text` puts one there, as the official evaluation passes `add_bos_token=True`."""
 
 from __future__ import annotations
 
@@ -12,9 +14,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+import kvg_export  # noqa: F401  (registers FoX's model and tokenizer classes with transformers' Auto classes)
 from runtime.artifact import ArtifactError, read_manifest
 from runtime.engine import check_servable
 from runtime.serve_process import kvg_serve
+from runtime.tokenizer import TextRules
 
 TASKS_DIR = Path(__file__).resolve().parent / "lm_eval_tasks"
 
@@ -40,7 +44,7 @@ def serve_flags(rows: int, provider: str, threads: int) -> list[str]:
     return ["--max-batch", str(rows), "--provider", provider, "--threads", str(threads)]
 
 
-def server_model(url: str, tokenizer: Path, max_length: int, batch_size: int):
+def server_model(url: str, tokenizer: Path, max_length: int, batch_size: int, add_bos_token: bool = False):
     """The harness's `local-completions` model of the server whose base URL is `url`. `max_length` is the
     artifact's max_cache_len: the harness keeps a slot for the token it asks for beyond each prompt. A refused
     request fails at once (the harness would retry it, with back-off)."""
@@ -48,10 +52,10 @@ def server_model(url: str, tokenizer: Path, max_length: int, batch_size: int):
 
     return LocalCompletionsAPI(base_url=f"{url}/v1/completions", tokenizer_backend="huggingface",
                                tokenizer=str(tokenizer), max_length=max_length, batch_size=batch_size,
-                               max_retries=1)  # fmt: skip
+                               max_retries=1, add_bos_token=add_bos_token)  # fmt: skip
 
 
-def eager_model(model: str, tokenizer: Path, max_length: int, batch_size: int):
+def eager_model(model: str, tokenizer: Path, max_length: int, batch_size: int, add_bos_token: bool = False):
     """The harness's `hf` model of the checkpoint `model` names (kvg_export/presets.py), on the CPU. Its
     max_length is two below the server model's, so that both cut text into the same windows (the `hf` model
     scores max_length + 1 tokens at a time, the API model max_length - 1). Prompts to generate from are
@@ -63,7 +67,7 @@ def eager_model(model: str, tokenizer: Path, max_length: int, batch_size: int):
     eager = load_model(model)
     eager.generation_config.max_new_tokens = None  # else it overrides the max_length each request's generation gets
     return HFLM(pretrained=eager, backend="causal", tokenizer=str(tokenizer), max_length=max_length - 2,
-                batch_size=batch_size, device="cpu")  # fmt: skip
+                batch_size=batch_size, device="cpu", add_bos_token=add_bos_token)  # fmt: skip
 
 
 def task_manager(tasks: list[str]):
@@ -117,15 +121,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvg-lm-eval: error: {error}", file=sys.stderr)
         return 2
     max_length, tasks = manifest["cache"]["max_cache_len"], args.tasks.split(",")
+    bos = TextRules.of(manifest).bos is not None
     results = {}
     with tempfile.TemporaryDirectory() as scratch:
         tokenizer = tokenizer_folder(args.artifact, Path(scratch))
         if args.backend in ("server", "both"):
             with kvg_serve(args.artifact, serve_flags(args.batch_size, args.provider, args.threads)) as (_, url):
-                lm = server_model(url, tokenizer, max_length, args.batch_size)
+                lm = server_model(url, tokenizer, max_length, args.batch_size, bos)
                 results["server"] = evaluate(lm, tasks, args.limit, args.bootstrap_iters)
         if args.backend in ("hf", "both"):
-            lm = eager_model(args.model, tokenizer, max_length, args.batch_size)
+            lm = eager_model(args.model, tokenizer, max_length, args.batch_size, bos)
             results["hf"] = evaluate(lm, tasks, args.limit, args.bootstrap_iters)
     for backend, result in results.items():
         print(f"\n{backend}: {args.artifact if backend == 'server' else args.model}\n{make_table(result)}")

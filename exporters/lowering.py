@@ -14,11 +14,13 @@ from pathlib import Path
 
 import torch
 
+from exporters.checkpoint_tokenizer import FAST_FILE, CheckpointTokenizer
 from exporters.contract import cache_layout
 from exporters.evaluate import DEFAULT_CONTEXT, EagerRun, EvalError, run_eager
-from exporters.export import AS_CONFIG, COPIED_FILES, IN_PLACE_KINDS, ExportError, ExportOptions, Lowered
+from exporters.export import AS_CONFIG, IN_PLACE_KINDS, ExportError, ExportOptions, Lowered
 from exporters.manifest import build_manifest, source_digest
 from exporters.onnx_export import export_program, lower_to_onnx
+from exporters.progress import Progress
 from exporters.references import record
 from exporters.stages import stage
 from exporters.validate import DECODE_STEPS
@@ -30,10 +32,14 @@ from runtime.pruning import check_tolerance
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def lower(options: ExportOptions, checkpoint: Path, model_path: Path, log: Callable[[str], None]) -> Lowered:
-    """Write the float graph to `model_path` and record eager's outputs on the validation's inputs."""
+def lower(
+    options: ExportOptions, checkpoint: Path, tokenizer: CheckpointTokenizer | None, model_path: Path,
+    log: Callable[[str], None],
+) -> Lowered:  # fmt: skip
+    """Write the float graph to `model_path` and record eager's outputs on the validation's inputs; `tokenizer`: what
+    the manifest says of the checkpoint's (exporters/checkpoint_tokenizer.py)."""
     model = stage(
-        log, "load", lambda: load_model(checkpoint, dtype=TORCH_DTYPES[options.dtype]),
+        log, "load", lambda _: load_model(checkpoint, dtype=TORCH_DTYPES[options.dtype]),
         lambda m: f"{options.model}: {sum(p.numel() for p in m.parameters()):,} parameters, {options.dtype}",
     )  # fmt: skip
     layout = cache_layout(model.config, static=options.cache == "static")
@@ -42,24 +48,25 @@ def lower(options: ExportOptions, checkpoint: Path, model_path: Path, log: Calla
     offsets = in_place and pruning is not None and pruning["log_pruning_tolerance"] is not None  # each layer's own
     eager = None
     if options.quantization:  # scored first, while the lowering's leftovers do not yet share the memory
-        eager = stage(log, "text", lambda: _score_text(options, model, checkpoint),
+        eager = stage(log, "text", lambda progress: _score_text(options, model, checkpoint, progress),
                       lambda run: f"eager fp32 on {len(run.windows)} windows of held-out text")  # fmt: skip
     program, example = stage(
         log, "trace",
-        lambda: export_program(model, layout, options.max_cache_len, options.max_batch, in_place, offsets),
+        lambda _: export_program(model, layout, options.max_cache_len, options.max_batch, in_place, offsets),
         lambda _: f"torch.export, {options.cache} cache, {options.attention} attention"
         + (", layer windows for forget-gate pruning" if offsets else ""),
     )  # fmt: skip
     # Recorded before the lowering, for the same reason as the text above (fox-base: 1.15 against 1.19 GB peak)
     batch, longer_buffers = min(2, options.max_batch), in_place and not layout.static  # only gqa is dynamic
     references = stage(
-        log, "eager", lambda: record(model, layout, program, options.max_cache_len, batch, longer_buffers),
+        log, "eager",
+        lambda progress: record(model, layout, program, options.max_cache_len, batch, longer_buffers, progress),
         lambda r: f"eager and the ExportedProgram: prefill + {DECODE_STEPS} greedy steps, batch {batch}, "
         f"recorded for onnxruntime (ExportedProgram logits Δ {max(s.program_logits for s in r.steps):.2e})",
     )  # fmt: skip
     keep_apart = options.quantization.keeps if options.quantization else lambda module: False
     stage(
-        log, "lower", lambda: lower_to_onnx(program, example, layout, model_path, options.opset, keep_apart,
+        log, "lower", lambda _: lower_to_onnx(program, example, layout, model_path, options.opset, keep_apart,
                                        options.attention, offsets),
         lambda fused: f"ONNX opset {options.opset}, {fused[0]} fewer MatMuls (projections joined), "
         f"{fused[1]} residual adds joined with their norms"
@@ -68,19 +75,19 @@ def lower(options: ExportOptions, checkpoint: Path, model_path: Path, log: Calla
         + (f", {fused[4]} gate writes in place in a long enough buffer" if fused[4] else "")
         + ", weights memory-mappable in model.onnx.data",
     )  # fmt: skip
-    files = {name: name for name in COPIED_FILES if (checkpoint / name).is_file()}
     manifest = build_manifest(
         model.config, layout, dtype=str(model.dtype).removeprefix("torch."), opset=options.opset,
         max_cache_len=options.max_cache_len, max_batch=options.max_batch, attention=options.attention,
         source=str(options.model),
         source_sha256=source_digest(checkpoint), exporter_version=version("kvg-export"),
-        files={"model": "model.onnx", "tokenizer": files.get("tokenizer.json")}, window_offsets=offsets,
+        files={"model": "model.onnx", "tokenizer": FAST_FILE if tokenizer else None}, window_offsets=offsets,
+        text=tokenizer.text if tokenizer else None, tokenizer_special_ids=tokenizer.special_ids if tokenizer else {},
     )  # fmt: skip
     manifest["pruning"] = pruning
     return Lowered(manifest, references, eager)
 
 
-def _score_text(options: ExportOptions, model, checkpoint: Path) -> EagerRun:
+def _score_text(options: ExportOptions, model, checkpoint: Path, progress: Progress) -> EagerRun:
     """Eager fp32's half of the quantized artifact's judgement, on the windows evaluate() cuts for that artifact."""
     if options.dtype != "fp32":
         model = load_model(checkpoint)
@@ -88,7 +95,7 @@ def _score_text(options: ExportOptions, model, checkpoint: Path) -> EagerRun:
     quality = options.quality
     try:
         return run_eager(model, checkpoint, text_paths=quality.text_paths, context=context,
-                         max_windows=quality.windows, for_artifact=True)  # fmt: skip
+                         max_windows=quality.windows, for_artifact=True, progress=progress)  # fmt: skip
     except EvalError as error:
         raise ExportError(f"a quantized export is judged on held-out text: {error}") from None
 

@@ -71,12 +71,15 @@ def graph_io(
 def build_manifest(
     config, layout: CacheLayout, *, dtype: str, opset: int, max_cache_len: int | None, max_batch: int,
     attention: str, source: str, source_sha256: str, exporter_version: str, files: dict[str, str | None],
-    window_offsets: bool = False,
+    window_offsets: bool = False, text: dict | None = None, tokenizer_special_ids: dict[str, int] | None = None,
 ) -> dict:  # fmt: skip
     """`attention`: "standard" (ONNX MatMul and Softmax, any provider) or "gqa" (onnxruntime's CPU
-    GroupQueryAttention, which cannot take a chunk of a prompt after the first for batch > 1)."""
+    GroupQueryAttention, which cannot take a chunk of a prompt after the first for batch > 1). `text`: how the
+    tokenizer's text is escaped and what comes first (runtime/tokenizer.py's TextRules); `tokenizer_special_ids`:
+    the special tokens the tokenizer names, which stand in for those the model's config leaves out."""
     inputs, outputs = graph_io(config, layout, dtype, max_cache_len, folded=window_offsets)
-    eos = config.eos_token_id
+    named = tokenizer_special_ids or {}
+    eos = config.eos_token_id if config.eos_token_id is not None else named.get("eos")
     return {
         "format_version": FORMAT_VERSION,
         "exporter_version": exporter_version,
@@ -112,10 +115,11 @@ def build_manifest(
         + [_io_entry(LOGITS_TO_KEEP, "int64", [1])],
         "outputs": outputs,
         "special_tokens": {
-            "bos": config.bos_token_id,
+            "bos": config.bos_token_id if config.bos_token_id is not None else named.get("bos"),
             "eos": eos if isinstance(eos, list) or eos is None else [eos],
-            "pad": config.pad_token_id,
+            "pad": config.pad_token_id if config.pad_token_id is not None else named.get("pad"),
         },
+        "text": text or {"escape": None, "bos": None},
         "files": files,
         "quantization": None,  # a quantized export records its settings here (exporters/quantize.py)
     }

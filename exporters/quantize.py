@@ -26,6 +26,7 @@ import onnx
 import onnx_ir as ir
 
 from exporters import weights_file
+from exporters.progress import Progress, untracked
 from exporters.quantization import NEURAL_COMPRESSOR_METHODS, Quantization, QuantizationError
 
 
@@ -162,17 +163,21 @@ def _set_accuracy_level(graph: ir.Graph, level: int) -> None:
                 node.attributes["accuracy_level"] = ir.AttrInt64("accuracy_level", level)
 
 
-def quantize_graph(source: Path, target: Path, quantization: Quantization) -> dict:
+def quantize_graph(source: Path, target: Path, quantization: Quantization, progress: Progress | None = None) -> dict:
     """Write the quantized form of the graph at `source` (its weights external, as the exporter writes them) to
-    `target`, one weight at a time; returns the manifest's record."""
+    `target`, one weight at a time (each one a unit of `progress`); returns the manifest's record."""
     model = ir.load(source)
     nodes = _weight_nodes(model.graph, quantization)
     if not any(name for name in nodes.quantized):
         raise QuantizationError("no weight is left to quantize: --keep-float keeps every projection in float")
     ops = ("MatMul",) if "embedding" in quantization.keep_float else ("MatMul", "Gather")  # what it rewrites
     chosen = set(nodes.quantized)
-    for node in [node for node in model.graph if node.name in chosen and node.op_type in ops]:
+    weights = [node for node in model.graph if node.name in chosen and node.op_type in ops]
+    progress = progress or untracked()
+    progress.plan(len(weights), "weights quantized")
+    for node in weights:
         _put_in_place(model, node, _quantize(_one_node_model(model, node), quantization, ops))
+        progress.advance()
     _set_accuracy_level(model.graph, quantization.accuracy_level)
     weights_file.save(model, target)
     return quantization.record(nodes.quantized, nodes.kept)

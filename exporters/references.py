@@ -8,6 +8,7 @@ import torch
 from torch.export import ExportedProgram
 
 from exporters.contract import CacheLayout, cache_shape
+from exporters.progress import Progress, untracked
 from exporters.validate import (
     APART_CHUNK,
     APART_SHIFT,
@@ -41,6 +42,7 @@ def record(
     max_cache_len: int | None,
     batch: int = 2,
     longer_buffers: bool = False,
+    progress: Progress | None = None,
 ) -> References:
     """Run the validation's prefill and DECODE_STEPS greedy steps through eager and the ExportedProgram (eager's
     tokens fed to both, each on its own cache) and keep what validate.validate_onnx compares onnxruntime with;
@@ -57,10 +59,13 @@ def record(
     together = torch.zeros(layout.num_layers, config.kv_heads, dtype=torch.long) if in_place else None
     run = _Run(eager, exported, layout, _zeros(empty))
     tokens, full_mask = ids, mask
+    progress = progress or untracked()
+    progress.plan(DECODE_STEPS + 1, "steps recorded")
     for _ in range(DECODE_STEPS + 1):
         references.steps.append(run.step(tokens, full_mask, together))
         tokens = run.greedy()
         full_mask = _grown(full_mask, 1)
+        progress.advance()
     if in_place and config.kv_heads > 1:  # one kv head cannot part from itself
         buffers = max_cache_len if layout.static else longer  # as the runtime binds them
         references.apart = _apart_runs(model, layout, exported, batch, buffers)

@@ -1,14 +1,24 @@
-"""An export's progress: one line per stage, with its name, its wall time and what it did."""
+"""An export's progress: one line per stage, with its name, its wall time and what it did, and while a long stage
+runs, how far it has come (exporters/progress.py)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TypeVar
+
+from exporters.progress import Progress
+
+Result = TypeVar("Result")
 
 
-def stage(log: Callable[[str], None], name: str, work: Callable, describe: Callable[..., str]):
-    """Run `work()` and log `describe(result)` under the stage's name and time; returns the result."""
+def stage(
+    log: Callable[[str], None], name: str, work: Callable[[Progress], Result], describe: Callable[[Result], str]
+) -> Result:
+    """Run `work(progress)` (which plans and advances `progress` where its work can be counted) and log
+    `describe(result)` under the stage's name and time; returns the result."""
     start = time.perf_counter()
-    value = work()
+    with Progress(log, name) as progress:
+        value = work(progress)
     log(f"{name:<9} {time.perf_counter() - start:6.1f} s  {describe(value)}")
     return value

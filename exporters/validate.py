@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from exporters.contract import LOGITS_TO_KEEP, CacheLayout
+from exporters.progress import Progress, untracked
 from runtime.pruning import WINDOW_OFFSETS
 
 PROMPT_LENGTH, DECODE_STEPS, PADDING = 8, 16, 3
@@ -146,10 +147,10 @@ class References:
     apart: list[ApartRun] = field(default_factory=list)
 
 
-def validate_onnx(references: References, session) -> ValidationReport:
+def validate_onnx(references: References, session, progress: Progress | None = None) -> ValidationReport:
     """Run onnxruntime `session` through the recorded steps, each system on its own cache, and compare it with
     eager's outputs (and take the ExportedProgram's recorded differences into the report); then through each
-    ApartRun, as the runtime runs the graph."""
+    ApartRun, as the runtime runs the graph. Each step is a unit of `progress`."""
     dtype, layout = references.dtype, references.layout
     report = ValidationReport(dtype, TOLERANCES[dtype], references.batch, PROMPT_LENGTH, DECODE_STEPS)
     pasts = {system: [np.zeros(shape, dtype=kind) for shape, kind in start]
@@ -159,6 +160,8 @@ def validate_onnx(references: References, session) -> ValidationReport:
     for run in references.apart:  # as the runtime binds the buffers
         runs.append(({"onnx": list(run.pasts)}, zip(_numbered(run.branches), run.steps, strict=True)))
     keep_last = {LOGITS_TO_KEEP: np.ones(1, dtype=np.int64)}
+    progress = progress or untracked()
+    progress.plan(len(references.steps) + sum(len(run.steps) for run in references.apart), "steps validated")
     for pasts, steps in runs:
         for label, step in steps:
             offsets = {} if step.offsets is None else {WINDOW_OFFSETS: step.offsets}
@@ -176,6 +179,7 @@ def validate_onnx(references: References, session) -> ValidationReport:
             failure = _failure(entry, step.logits[:, -1], eager_next, onnx_next, report.tolerance)
             report.failure = report.failure or failure
             pasts = {system: _as_pasts(run[1:], pasts[system]) for system, run in outputs.items()}
+            progress.advance()
     return report
 
 

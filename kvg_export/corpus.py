@@ -95,9 +95,13 @@ def token_stream(
     return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
 
 
-def windows(stream: np.ndarray, length: int) -> list[np.ndarray]:
+def windows(stream: np.ndarray, length: int, first: int | None = None) -> list[np.ndarray]:
     """Consecutive, non-overlapping slices of `length` tokens (the last may be shorter; none shorter than 2,
-    since a window predicts its tokens after the first)."""
+    since a window predicts its tokens after the first). `first`: a token each window starts with, followed by
+    `length` - 1 of the stream's (a tokenizer that puts its BOS before every text)."""
     if length < 2:
         raise ValueError(f"a window needs at least 2 tokens, got {length}")
-    return [stream[i : i + length] for i in range(0, len(stream), length) if len(stream) - i >= 2]
+    if first is None:
+        return [stream[i : i + length] for i in range(0, len(stream), length) if len(stream) - i >= 2]
+    head = np.asarray([first], dtype=stream.dtype)
+    return [np.concatenate([head, stream[i : i + length - 1]]) for i in range(0, len(stream), length - 1)]

@@ -113,11 +113,36 @@ def resolve_checkpoint(model: str | os.PathLike, build: bool = True) -> Path | N
 def load_model(
     model: str | os.PathLike, dtype: torch.dtype | None = None, allow_pickle: bool = False
 ) -> FoxForCausalLM:
-    """The FoX model for a preset name or folder, or a local checkpoint folder, in eval mode (float32 unless
-    `dtype` says otherwise)."""
+    """The FoX model for a preset name or folder, or a local checkpoint folder (official or FLA format), in eval
+    mode (float32 unless `dtype` says otherwise)."""
     import torch
 
+    from kvg_export.fla_format import is_fla
     from kvg_export.fox import FoxForCausalLM
 
     folder = resolve_checkpoint(model)
-    return FoxForCausalLM.from_pretrained(folder, dtype=dtype or torch.float32, allow_pickle=allow_pickle).eval()
+    dtype = dtype or torch.float32
+    config = json.loads((folder / "config.json").read_text())
+    if is_fla(config):
+        return _load_fla(folder, config, dtype)
+    return FoxForCausalLM.from_pretrained(folder, dtype=dtype, allow_pickle=allow_pickle).eval()
+
+
+def _load_fla(folder: Path, fla: dict, dtype: torch.dtype) -> FoxForCausalLM:
+    """An FLA-format checkpoint folder (safetensors weights) as the official FoX it maps onto: every tensor used,
+    none missing."""
+    from safetensors.torch import load_file
+    from transformers import GenerationConfig
+
+    from kvg_export.fla_format import official_config, official_state_dict
+    from kvg_export.fox import FoxConfig, FoxForCausalLM
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise OSError(f"{folder} is an FLA-format FoX checkpoint without safetensors weights, which it is read from")
+    fla_state = {name: tensor for path in files for name, tensor in load_file(path).items()}
+    model = FoxForCausalLM(FoxConfig(**official_config(fla))).to(dtype)
+    model.load_state_dict(official_state_dict(fla_state, fla), strict=True)
+    if (folder / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(folder)
+    return model.eval()

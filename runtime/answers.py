@@ -239,7 +239,7 @@ def _token_texts(tokenizer, ids: list[int]) -> list[str]:
     """Each token's own text (as vLLM's `tokens`); `token_id:N` without a tokenizer (its return_tokens_as_token_ids)."""
     if tokenizer is None:
         return [f"token_id:{token}" for token in ids]
-    return tokenizer.decode_batch([[token] for token in ids], skip_special_tokens=False)
+    return tokenizer.token_texts(ids)
 
 
 def _top(entry: TokenLogprob, names: dict[int, str]) -> dict[str, float]:

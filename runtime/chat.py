@@ -65,7 +65,7 @@ def chat_prompt(request: ChatRequest, state: ServerState) -> list[int]:
         rendered = state.chat_template.render(messages)
     except ValueError as refused:
         raise ApiError(400, str(refused), param="messages") from None
-    return state.tokenizer.encode(rendered, add_special_tokens=False).ids
+    return state.tokenizer.encode(rendered, bos=False)  # a template writes its own BOS
 
 
 def chat_config(

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
-from tokenizers import Tokenizer
 
 from runtime.artifact import Artifact, ArtifactError, SessionOptions
 from runtime.decode_step import DecodeStep
@@ -23,6 +22,7 @@ from runtime.device_cache import DeviceCache, held_in_place
 from runtime.pruning import AS_EXPORTED, Pruning, Tolerance
 from runtime.sampling import Sampler, SamplingConfig
 from runtime.text_stream import TextStream
+from runtime.tokenizer import TextTokenizer
 
 # A gqa dynamic artifact's key, value and gate buffers first hold the prompt and up to this many new tokens, and
 # double when a generation goes further: a long max_new_tokens allocates only what is generated.
@@ -72,7 +72,7 @@ class Generator:
     """
 
     def __init__(
-        self, artifact: Artifact, tokenizer: Tokenizer | None = None, log_pruning_tolerance: Tolerance = AS_EXPORTED
+        self, artifact: Artifact, tokenizer: TextTokenizer | None = None, log_pruning_tolerance: Tolerance = AS_EXPORTED
     ):  # fmt: skip
         """`log_pruning_tolerance`: forget-gate pruning as the artifact was exported with ("artifact"), at another
         tolerance, or none (None); see runtime/pruning.py."""
@@ -98,17 +98,17 @@ class Generator:
         cls, folder: str | Path, options: SessionOptions | None = None, log_pruning_tolerance: Tolerance = AS_EXPORTED
     ) -> Generator:  # fmt: skip
         artifact = Artifact.open(folder, options or SessionOptions())
-        name = artifact.manifest["files"].get("tokenizer")
-        tokenizer = Tokenizer.from_file(str(artifact.folder / name)) if name else None
-        return cls(artifact, tokenizer, log_pruning_tolerance)
+        return cls(artifact, TextTokenizer.open(artifact.folder, artifact.manifest), log_pruning_tolerance)
 
     def encode(self, prompts: str | list[str] | list[list[int]]) -> list[list[int]]:
+        """Token ids as given, or a text's as the artifact's tokenizer makes them (escaped, with its BOS first where
+        the manifest's `text` says so)."""
         if isinstance(prompts, str):
             prompts = [prompts]
         if prompts and all(isinstance(p, str) for p in prompts):
             if self.tokenizer is None:
                 raise ArtifactError("this artifact has no tokenizer; pass token ids instead of text")
-            return [self.tokenizer.encode(p, add_special_tokens=False).ids for p in prompts]
+            return self.tokenizer.encode_batch(prompts)
         return [list(map(int, p)) for p in prompts]
 
     def check_request(self, prompts: list[list[int]], config: GenerationConfig) -> None:

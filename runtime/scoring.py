@@ -67,11 +67,12 @@ def score_windows(
     windows: list[np.ndarray],
     max_batch: int,
     vocab_size: int,
+    on_scored: Callable[[int], None] = lambda windows: None,
 ) -> Scores:
     """Score `windows` (1-D token id arrays of at least 2 tokens) through `logits_of`, which maps ids
     `[batch, seq]` to logits `[batch, seq, vocab]`, whole or as consecutive blocks of positions (an iterable of
     `[batch, block, vocab]`, so that a window's logits need not be held at once); consecutive windows of one
-    length share a batch."""
+    length share a batch, after which `on_scored` is told how many windows it held."""
     if not windows:
         raise ValueError("no windows to score")
     batch_limit = max(1, min(max_batch, LOGITS_BUDGET_BYTES // (4 * vocab_size * max(map(len, windows)))))
@@ -94,5 +95,6 @@ def score_windows(
         top1.append(np.concatenate(batch_top1, axis=1).ravel())
         targets.append(ids[:, 1:].ravel())
         positions.append(np.tile(np.arange(1, ids.shape[1]), len(ids)))
+        on_scored(end - begin)
         begin = end
     return Scores(*(np.concatenate(parts) for parts in (nll, top1, targets, positions)))

@@ -78,11 +78,11 @@ def _prompts(request: CompletionRequest, state: ServerState) -> tuple[list[list[
         texts = [prompt] if isinstance(prompt, str) else prompt
         if tokenizer is None:
             raise ApiError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
-        return [tokenizer.encode(text, add_special_tokens=False).ids for text in texts], texts
+        return tokenizer.encode_batch(texts), texts
     ids = [prompt] if not prompt or isinstance(prompt[0], int) else prompt
     if not request.echo or tokenizer is None:
         return ids, [""] * len(ids)
-    return ids, tokenizer.decode_batch(ids, skip_special_tokens=False)
+    return ids, [tokenizer.decode(prompt, skip_special_tokens=False) for prompt in ids]
 
 
 def _config(request: CompletionRequest) -> GenerationConfig:

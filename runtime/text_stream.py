@@ -4,23 +4,25 @@ Each token is decoded in a window that starts one released token back, as vLLM's
 so a token costs the same however long the answer has grown (decoding every token each time cost a 16k-token
 answer seconds). The window's first token is one whose text was already final, so a decoder that treats a
 text's first token apart (a leading space dropped) treats the window's two decodings alike; should the longer
-one not begin with the shorter, the whole answer is decoded instead.
+one not begin with the shorter, the whole answer is decoded instead. Where the tokenizer's text is escaped (the
+released FoX checkpoints'), the decoded text is unescaped up to its last complete escape: never half of one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tokenizers import Tokenizer
+from runtime.tokenizer import TextTokenizer
 
 
 class TextStream:
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()):
+    def __init__(self, tokenizer: TextTokenizer, stop: Sequence[str] = ()):
         self.tokenizer, self.stop = tokenizer, [s for s in stop if s]
         self.tokens: list[int] = []
         self.window = 0  # the token the decoding window starts at
         self.read = 0  # tokens whose text is final (the window's first is among them, once any is)
-        self.decoded = 0  # characters of final text so far
+        self.decoded = 0  # characters of final text so far, as decoded (before unescaping)
+        self.escaped = ""  # final decoded text not unescaped yet: it ends in an escape that may go on
         self.pending = ""  # final text not handed out yet: it may begin a stop string
         self.stopped = False  # a stop string was met: the text ends before it, and nothing more is added
 
@@ -39,14 +41,18 @@ class TextStream:
         return self._advance(last=True)
 
     def _advance(self, last: bool) -> str:
-        text = self.tokenizer.decode(self.tokens[self.window :])
+        decode = self.tokenizer.bpe.decode
+        text = decode(self.tokens[self.window :])
         if text.endswith("\ufffd") and not last:
             return ""
-        before = self.tokenizer.decode(self.tokens[self.window : self.read])
+        before = decode(self.tokens[self.window : self.read])
         # Where the decoder changed text it had already given, the whole answer's text is what counts
-        new = text[len(before) :] if text.startswith(before) else self.tokenizer.decode(self.tokens)[self.decoded :]
+        new = text[len(before) :] if text.startswith(before) else decode(self.tokens)[self.decoded :]
         self.window, self.read, self.decoded = self.read, len(self.tokens), self.decoded + len(new)
-        return self._release(self.pending + new, last)
+        escaped = self.escaped + new
+        end = len(escaped) if last else self.tokenizer.final_end(escaped)
+        self.escaped = escaped[end:]
+        return self._release(self.pending + self.tokenizer.unescape(escaped[:end]), last)
 
     def _release(self, text: str, last: bool) -> str:
         """`text` up to a stop string (then nothing more), or but for an end that may begin one."""

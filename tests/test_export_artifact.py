@@ -33,7 +33,8 @@ def artifact(request, exported):
 def test_the_export_passes_its_validation_and_says_so(artifact):
     _, _, _, result, lines = artifact
     assert result.report.passed and len(result.report.steps) == 1 + validate.DECODE_STEPS
-    assert [line.split()[0] for line in lines[:6]] == ["load", "trace", "eager", "lower", "check", "validate"]
+    stages = [line.split()[0] for line in lines if line.split()[1:2] != ["..."]]  # not a long stage's progress
+    assert stages[:6] == ["load", "trace", "eager", "lower", "check", "validate"]
     saved = json.loads((result.path / "validation.json").read_text())
     assert saved["passed"] and len(saved["steps"]) == 17
 

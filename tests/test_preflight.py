@@ -1,5 +1,7 @@
 """An export that cannot succeed fails before the model is loaded or traced, with the fix."""
 
+import json
+import re
 import shutil
 import subprocess
 import sys
@@ -43,14 +45,14 @@ def test_a_quantized_export_of_a_folder_without_a_tokenizer_exits_2_before_traci
                "int4"]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
-    assert "has no tokenizer.json" in done.stderr and "trace" not in done.stdout
+    assert "has no tokenizer files" in done.stderr and "trace" not in done.stdout
     assert not (tmp_path / "out").exists()
     assert time.monotonic() - started < 60  # the interpreter and its imports; a traced export takes longer
 
 
 def test_the_tokenizer_and_quality_text_are_checked_before_the_model_is_loaded(untokenized, tmp_path, never_loaded):
     options = ExportOptions(str(untokenized), tmp_path / "out", quantization=Quantization(4))
-    with pytest.raises(ExportError, match=r"has no tokenizer\.json"):
+    with pytest.raises(ExportError, match=r"has no tokenizer files"):
         export_artifact(options)
     text = ExportOptions("fox-tiny", tmp_path / "out", quantization=Quantization(4),
                          quality=QualityOptions(text_paths=[tmp_path / "missing.txt"]))  # fmt: skip
@@ -67,3 +69,22 @@ def test_an_export_that_would_not_fit_on_the_disk_is_refused_naming_the_space(tm
         export_artifact(ExportOptions("fox-tiny", tmp_path / "new" / "out"))
     assert free == [tmp_path]  # the first folder that exists on the way to --out
     assert preflight.parameters(resolve_checkpoint("fox-tiny")) == weights
+
+
+@pytest.mark.parametrize(
+    ("settings", "named"),
+    [
+        ({"tokenizer_class": "LlamaTokenizer"}, "tokenizer_class 'LlamaTokenizer' is not one"),
+        ({"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": True},
+         "sets clean_up_tokenization_spaces"),
+    ],
+)  # fmt: skip
+def test_a_tokenizer_the_runtime_would_not_reproduce_is_refused_by_name_before_the_model_is_loaded(
+    tmp_path, never_loaded, settings, named
+):
+    folder = tmp_path / "fox-tiny-tokenizer"
+    shutil.copytree(resolve_checkpoint("fox-tiny"), folder)
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    with pytest.raises(ExportError, match=re.escape(named)):
+        export_artifact(ExportOptions(str(folder), tmp_path / "out"))
+    assert not (tmp_path / "out").exists()

@@ -155,7 +155,7 @@ def test_a_trained_preset_as_make_export_makes_it_prunes_held_out_text_within_th
     artifact = exported("fox-pro-py", "dynamic")[0].path
     generator = Generator.open(artifact, CPU)
     assert generator.pruning.log_tolerance == TOLERANCE
-    prompt = token_stream(generator.tokenizer, read_split("test"), 2, longest_first=True)[:2048].tolist()
+    prompt = token_stream(generator.tokenizer.bpe, read_split("test"), 2, longest_first=True)[:2048].tolist()
     config = GenerationConfig(max_new_tokens=64, min_new_tokens=64)
     result = generator.generate([prompt], config, keep_logits=True)
     expected = Generator.open(artifact, CPU, None).generate([prompt], config, keep_logits=True)

@@ -81,7 +81,7 @@ def alone(generator: Generator, prompt: list[int], max_tokens: int, sampling=GRE
 
 
 def encode(generator: Generator, text: str) -> list[int]:
-    return generator.tokenizer.encode(text, add_special_tokens=False).ids
+    return generator.tokenizer.encode(text)
 
 
 def test_completions_of_text_and_token_prompts_equal_each_prompt_alone(server, generator):

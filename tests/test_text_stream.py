@@ -1,5 +1,6 @@
 """Streamed text, piece by piece, is the whole answer's text cut before the first stop string."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -8,6 +9,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models
 
 from runtime.text_stream import TextStream
+from runtime.tokenizer import JSON_ESCAPE, TextRules, TextTokenizer
 
 BYTE_LEVEL = Tokenizer.from_file(str(Path(__file__).resolve().parent.parent / "models" / "fox-tiny" / "tokenizer.json"))
 
@@ -40,7 +42,7 @@ def token_lists(tokenizer: Tokenizer):
 
 
 def streamed(tokenizer: Tokenizer, tokens: list[int], stop: list[str]) -> tuple[list[str], bool]:
-    stream = TextStream(tokenizer, stop)
+    stream = TextStream(TextTokenizer(tokenizer), stop)
     pieces = [stream.push(token) for token in tokens]
     return [*pieces, stream.flush()], stream.stopped
 
@@ -79,7 +81,36 @@ def test_a_long_answer_costs_each_token_the_same():
             decoded.append(len(tokens))
             return BYTE_LEVEL.decode(tokens)
 
-    stream = TextStream(Counting())
+    stream = TextStream(TextTokenizer(Counting()))
     for token in range(300, 2300):
         stream.push(token)
     assert max(decoded) <= 4
+
+
+class Pieces:
+    """A tokenizer whose token i decodes to the i-th of some pieces of text."""
+
+    def __init__(self, pieces: list[str]):
+        self.pieces = pieces
+
+    def decode(self, tokens: list[int]) -> str:
+        return "".join(self.pieces[token] for token in tokens)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(), cuts=st.lists(st.integers(1, 8), max_size=40))
+def test_json_escaped_text_streams_in_whole_characters_however_its_escapes_are_split(text, cuts):
+    """The released FoX checkpoints' text, escaped as json.dumps escapes it and cut anywhere: every piece extends the
+    text so far towards the whole text (never half an escape, never half a surrogate pair)."""
+    escaped, pieces = json.dumps(text)[1:-1], []
+    for cut in cuts:
+        if escaped:
+            pieces.append(escaped[:cut])
+            escaped = escaped[cut:]
+    pieces += [escaped] if escaped else []
+    stream = TextStream(TextTokenizer(Pieces(pieces), TextRules(escape=JSON_ESCAPE)))
+    so_far = ""
+    for piece in [*(stream.push(token) for token in range(len(pieces))), stream.flush()]:
+        so_far += piece
+        assert text.startswith(so_far)
+    assert so_far == text
