@@ -7,12 +7,14 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0+cpu
 STAMP := $(VENV)/.setup-done
 
-# `make export MODEL=... [CACHE=dynamic|static] [DTYPE=fp32|fp16|bf16] [QUANT=int8|int4] [OUT=...] [FORCE=1]`
+# `make export MODEL=... [CACHE=dynamic|static] [DTYPE=fp32|fp16|bf16] [QUANT=int8|int4] [OUT=...] [FORCE=1]`; OUT is a
+# folder of ARTIFACTS unless given
 MODEL ?= fox-py
 CACHE ?= dynamic
 DTYPE ?= fp32
 QUANT ?=
-OUT ?= artifacts/$(notdir $(MODEL))-$(CACHE)-$(DTYPE)$(if $(QUANT),-$(QUANT))
+ARTIFACTS ?= artifacts
+OUT ?= $(ARTIFACTS)/$(notdir $(MODEL))-$(CACHE)-$(DTYPE)$(if $(QUANT),-$(QUANT))
 EXPORT_FLAGS ?=
 # `make generate [PROMPT=...] [GENERATE_FLAGS=...]` runs the artifact `make export` makes (exporting it first if needed)
 PROMPT ?= def parse_args(argv):

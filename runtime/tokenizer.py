@@ -18,6 +18,7 @@ from tokenizers import Tokenizer
 
 JSON_ESCAPE = "json"  # the manifest's text.escape for the official JSONGPT2Tokenizer's escaping
 _ESCAPE = re.compile(r"\\(?:u[0-9A-Fa-f]{0,4}|.)?", re.DOTALL)  # one escape, or its start at a text's end
+_UNFINISHED = re.compile(r"\\(u[0-9A-Fa-f]{0,3})?")  # an escape whose last characters are still to come
 _HIGH_SURROGATE = re.compile(r"\\u[dD][89abAB][0-9A-Fa-f]{2}")  # its low half, the next escape, makes one character
 
 
@@ -40,8 +41,7 @@ def escaped_end(text: str) -> int:
     characters may still come (`\\`, `\\u00`), and before a high surrogate whose low half may (`\\ud83d`).
     Valid content unescaped piece by piece, each piece ending there, unescapes as it does whole."""
     escapes, end = list(_ESCAPE.finditer(text))[-2:], len(text)
-    last = escapes[-1].group() if escapes else ""
-    if escapes and escapes[-1].end() == end and (last == "\\" or (last.startswith("\\u") and len(last) < 6)):
+    if escapes and escapes[-1].end() == end and _UNFINISHED.fullmatch(escapes[-1].group()):
         end = escapes.pop().start()
     if escapes and escapes[-1].end() == end and _HIGH_SURROGATE.fullmatch(escapes[-1].group()):
         end = escapes[-1].start()

@@ -90,16 +90,19 @@ def write_tokenizer(folder: Path) -> int:
     return end + 1
 
 
-@pytest.fixture(scope="module")
-def released(tmp_path_factory) -> Path:
+def write_released(folder: Path) -> Path:
     """A checkpoint folder laid out as the released ones: official config (every FoX-Pro option, no token ids),
     safetensors weights, and the slow JSON-escaping GPT-2 tokenizer; no tokenizer.json."""
-    folder = tmp_path_factory.mktemp("released") / "fox-pro-released"
-    folder.mkdir()
+    folder.mkdir(parents=True)
     vocab = write_tokenizer(folder)
     torch.manual_seed(0)
     FoxForCausalLM(FoxConfig(vocab_size=vocab, **CONFIG)).save_pretrained(folder, safe_serialization=True)
     return folder
+
+
+@pytest.fixture(scope="module")
+def released(tmp_path_factory) -> Path:
+    return write_released(tmp_path_factory.mktemp("released") / "fox-pro-released")
 
 
 @pytest.fixture(scope="module")
