@@ -3,8 +3,9 @@ manifest's `text` sets around it, so that text reaches the model as the model wa
 
 The released FoX checkpoints were trained on LongCrawl64, whose text was JSON-escaped before GPT-2's BPE (the
 official `JSONGPT2Tokenizer`): a newline goes in as the two characters `\\` `n`, a quote as `\\"`, a non-ASCII
-character as `\\uXXXX`; and their official usage puts `<|endoftext|>` first. So for such an artifact a text is
-escaped, then tokenized, with the BOS id first, and tokens are decoded, then unescaped, exactly as that class does.
+character as `\\u` and four hex digits; and their official usage puts `<|endoftext|>` first. So for such an
+artifact a text is escaped, then tokenized, with the BOS id first, and tokens are decoded, then unescaped, exactly
+as that class does.
 """
 
 from __future__ import annotations
