@@ -26,6 +26,7 @@ from starlette.concurrency import run_in_threadpool
 
 from runtime.artifact import ArtifactError
 from runtime.chat_template import ChatTemplate
+from runtime.drain import Drain
 from runtime.engine import Engine, Event, Failed, Finished, Prompt, QueueFull, Token
 from runtime.generator import GenerationConfig
 from runtime.http_guard import error_body
@@ -97,6 +98,14 @@ class ServerMetrics:
             registry=r,
         )
         self.prefix_bytes = Gauge("kvg_prefix_cache_bytes", "Memory the prefix cache holds", registry=r)
+        self.drained = Counter(
+            "kvg_shutdown_drained_requests", "Requests in flight at a shutdown signal that finished in its grace",
+            registry=r,
+        )  # fmt: skip
+        self.cut = Counter(
+            "kvg_shutdown_cut_requests", "Requests ended at a shutdown's grace deadline, with an event that says so",
+            registry=r,
+        )  # fmt: skip
         self.time_to_first_token = Histogram(
             "kvg_time_to_first_token_seconds", "From a request's arrival to its first token", registry=r,
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
@@ -112,6 +121,7 @@ class ServerState:
     engine: Engine
     model_name: str
     chat_template: ChatTemplate | None = None  # None: the artifact has none, and the chat route refuses
+    drain: Drain = field(default_factory=Drain)
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
 
     @property

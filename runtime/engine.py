@@ -209,15 +209,18 @@ class Engine:
             self._wake.notify()
         return request
 
-    def close(self) -> None:
-        """Stop the loop; requests still queued or running get a Failed event."""
+    def close(self, message: str = "the server is shutting down") -> None:
+        """Stop the loop; requests still queued or running get a Failed event with `message`."""
         with self._wake:
             self._closing = True
             self._wake.notify()
         self._thread.join()
         filling = [self.filling.request] if self.filling is not None else []
-        for request in [*self.waiting, *filling, *(row.request for row in self.rows if row is not None)]:
-            self._send(request, Failed("the server is shutting down"))
+        left = [*self.waiting, *filling, *(row.request for row in self.rows if row is not None)]
+        self.waiting.clear()
+        self.filling, self.rows = None, [None] * len(self.rows)
+        for request in left:
+            self._send(request, Failed(message))
 
     def _loop(self) -> None:
         while True:

@@ -8,6 +8,7 @@ import os
 import sys
 
 from runtime.artifact import ArtifactError
+from runtime.drain import DEFAULT_GRACE_S
 from runtime.engine import PREFILL_BUDGET, PREFIX_CACHE_MB
 from runtime.pruning import describe
 
@@ -42,6 +43,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="memory for recent prompts' prefixes, by whole prefill chunks: a prompt that begins like one of them is "
         "prefilled from there (0: off; default: %(default)s)",
     )  # fmt: skip
+    parser.add_argument(
+        "--shutdown-grace", type=float, default=DEFAULT_GRACE_S, metavar="SECONDS",
+        help="on SIGTERM or SIGINT, refuse new requests (503) and let those in flight finish for up to this long, "
+        "then end the rest with an event that says why and exit; a second signal exits at once (default: %(default)s)",
+    )  # fmt: skip
     ray = parser.add_argument_group("Ray Serve (pip install 'kvg-export[ray]')")
     ray.add_argument(
         "--ray", action="store_true", help="serve from Ray replicas (RAY_ADDRESS's cluster, else a local one)"
@@ -57,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import uvicorn
 
+        from runtime.drain import DrainingServer
         from runtime.server import ServeOptions, open_app
 
         if args.ray:
@@ -66,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     options = ServeOptions(args.artifact, args.max_batch, args.max_queue, args.timeout, args.model_name, args.provider,
                            args.threads, args.api_key, args.max_body_bytes, args.prefill_budget,
-                           args.prefix_cache_mb)  # fmt: skip
+                           args.prefix_cache_mb, args.shutdown_grace)  # fmt: skip
     try:
         options.check()
         if args.replicas < 1 or args.replica_cpus < 0:
@@ -78,10 +85,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ArtifactError, ValueError) as error:
         print(f"kvg-serve: error: {error}", file=sys.stderr)
         return 2
-    generator = app.state.kvg.engine.generator
+    state = app.state.kvg
+    generator = state.engine.generator
     print(f"kvg-serve: {options.name} on {generator.artifact.device.upper()}, {args.max_batch} rows, "
           f"{describe(generator.pruning)}, http://{args.host}:{args.port}/v1", file=sys.stderr)  # fmt: skip
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
+    DrainingServer(config, state.drain, state.engine.close).run()
+    print(f"kvg-serve: {state.drain.summary()}", file=sys.stderr)
     return 0
 
 

@@ -35,6 +35,7 @@ from runtime.answers import (
 from runtime.artifact import ArtifactError, SessionOptions, read_manifest
 from runtime.chat import ChatRequest, ChatShape, chat_config, chat_prompt
 from runtime.chat_template import ChatTemplate
+from runtime.drain import DEFAULT_GRACE_S, Drain, DrainGuard
 from runtime.engine import PREFILL_BUDGET, PREFIX_CACHE_MB, Engine, check_servable
 from runtime.generator import GenerationConfig, Generator
 from runtime.http_guard import HttpGuard, body_limit, error_body
@@ -96,13 +97,15 @@ COMPLETION, CHAT = CompletionShape(), ChatShape()
 
 
 def create_app(
-    engine: Engine, model_name: str, api_key: str | None = None, max_body_bytes: int | None = None
-) -> FastAPI:
+    engine: Engine, model_name: str, api_key: str | None = None, max_body_bytes: int | None = None,
+    drain: Drain | None = None,
+) -> FastAPI:  # fmt: skip
     """`api_key`: what the /v1 routes require as a bearer token (None: nothing); `max_body_bytes`: the cap on
-    a request's body (None: `body_limit` of the artifact's max_cache_len and the engine's rows)."""
+    a request's body (None: `body_limit` of the artifact's max_cache_len and the engine's rows); `drain`: the
+    shutdown that a signal starts (runtime/drain.py)."""
     tokenizer = engine.generator.tokenizer
     template = ChatTemplate.load(engine.generator.artifact.folder, tokenizer) if tokenizer else None
-    state = ServerState(engine, model_name, template)
+    state = ServerState(engine, model_name, template, drain or Drain())
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -116,6 +119,8 @@ def create_app(
     refused = metrics.requests.labels  # a refusal before the body is read counts as any request's error does
     app.add_middleware(HttpGuard, api_key=api_key, max_body_bytes=limit,
                        refused=lambda status: refused(outcome=f"http_{status}").inc())  # fmt: skip
+    app.add_middleware(DrainGuard, drain=state.drain)  # the outermost: a draining server refuses before all else
+    state.drain.on_drained, state.drain.on_cut = metrics.drained.inc, metrics.cut.inc
     metrics.queue_depth.set_function(lambda: engine.queue_depth)
     metrics.batch_occupancy.set_function(lambda: engine.busy_rows / engine.cache.rows)
     if engine.prefixes is not None:
@@ -144,6 +149,8 @@ def create_app(
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        if state.drain.draining:  # a load balancer sends no more
+            return JSONResponse({"status": "draining"}, 503)
         alive = engine.alive
         return JSONResponse({"status": "ok" if alive else "engine stopped"}, 200 if alive else 503)
 
@@ -197,6 +204,7 @@ class ServeOptions:
     max_body_bytes: int | None = None  # None: http_guard.body_limit(max_cache_len, max_batch)
     prefill_budget: int = PREFILL_BUDGET  # prompt tokens prefilled between two decode steps
     prefix_cache_mb: int = PREFIX_CACHE_MB  # memory for recent prompts' prefixes (0: no prefix cache)
+    shutdown_grace_s: float = DEFAULT_GRACE_S  # how long a signal's drain lets requests in flight finish
 
     @property
     def name(self) -> str:
@@ -210,6 +218,8 @@ class ServeOptions:
             raise ArtifactError("--api-key must not be empty and --max-body-bytes must be >= 1")
         if self.prefill_budget < 1 or self.prefix_cache_mb < 0:
             raise ArtifactError("--prefill-budget must be >= 1 and --prefix-cache-mb >= 0")
+        if self.shutdown_grace_s < 0:
+            raise ArtifactError("--shutdown-grace must be >= 0 seconds")
         folder = Path(self.artifact)
         check_servable(folder, read_manifest(folder), self.max_batch)
 
@@ -218,4 +228,4 @@ def open_app(options: ServeOptions) -> FastAPI:
     generator = Generator.open(options.artifact, SessionOptions(options.provider, options.threads))
     engine = Engine(generator, options.max_batch, options.max_queue, options.timeout_s, options.prefill_budget,
                     options.prefix_cache_mb << 20)  # fmt: skip
-    return create_app(engine, options.name, options.api_key, options.max_body_bytes)
+    return create_app(engine, options.name, options.api_key, options.max_body_bytes, Drain(options.shutdown_grace_s))

@@ -10,12 +10,12 @@ import time
 import httpx
 import openai
 import pytest
-import uvicorn
 from starlette.testclient import TestClient
 from test_serve import CPU, MODEL, client, serving
 
 from runtime import serve_cli
 from runtime.artifact import ArtifactError
+from runtime.drain import DrainingServer
 from runtime.generator import Generator
 from runtime.server import ServeOptions
 
@@ -131,7 +131,7 @@ def test_a_body_at_the_limit_is_parsed_and_one_byte_more_is_a_413(generator, chu
 @pytest.mark.parametrize("environment", [None, "sk-from-env"])
 def test_kvg_serve_takes_the_key_from_its_flag_else_from_kvg_api_key(generator, monkeypatch, environment):
     served = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **_: served.append(app))
+    monkeypatch.setattr(DrainingServer, "run", lambda server, **_: served.append(server.config.app))
     if environment is None:
         monkeypatch.delenv("KVG_API_KEY", raising=False)
     else:

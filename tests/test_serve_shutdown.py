@@ -1,0 +1,189 @@
+"""Restarts that lose nothing: kvg-serve, as a process of its own, drains what it has on SIGTERM and SIGINT (streams
+that fit in the grace period arrive whole, new requests get 503, the process exits 0), ends a stream longer than
+the grace period with an event that says why, and stops at once on a second signal."""
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+from test_serve import free_socket
+
+from exporters.export import ExportOptions, export_artifact
+from runtime.drain import Drain
+
+REPO = Path(__file__).resolve().parent.parent
+SHORT, LONG = 120, 800  # new tokens of a stream that fits in the grace period, and of one that does not
+PROMPT = "def main():"
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory) -> Path:
+    """fox-small with room for a stream of several seconds on one thread."""
+    out = tmp_path_factory.mktemp("shutdown") / "fox-small-static"
+    export_artifact(ExportOptions("fox-small", out, "static", max_cache_len=1024, max_batch=4, separate_process=False),
+                    log=lambda line: None)  # fmt: skip
+    return out
+
+
+@contextmanager
+def kvg_serve(artifact: Path, grace: float):
+    """kvg-serve on a free port with `grace`; yields the process and its URL once healthy, and kills it if the test
+    leaves it running."""
+    port = free_socket().getsockname()[1]
+    command = [sys.executable, "-m", "runtime.serve_cli", str(artifact), "--port", str(port), "--max-batch", "4",
+               "--threads", "1", "--provider", "cpu", "--shutdown-grace", str(grace)]  # fmt: skip
+    process = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while not healthy(url):
+            assert process.poll() is None, process.stderr.read()
+            assert time.monotonic() < deadline, "kvg-serve did not start"
+            time.sleep(0.1)
+        yield process, url
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+class Stream(threading.Thread):
+    """A streamed greedy completion of `tokens` new tokens, read as it comes: its data events, in order."""
+
+    def __init__(self, url: str, tokens: int):
+        super().__init__(daemon=True)
+        self.url, self.tokens, self.events, self.failure = url, tokens, [], None
+        self.started = threading.Event()
+
+    def run(self) -> None:
+        body = {"prompt": PROMPT, "max_tokens": self.tokens, "min_tokens": self.tokens, "temperature": 0,
+                "stream": True}  # fmt: skip
+        try:
+            with httpx.stream("POST", f"{self.url}/v1/completions", json=body, timeout=120) as answer:
+                for line in answer.iter_lines():
+                    if line.startswith("data: "):
+                        self.events.append(line.removeprefix("data: "))
+                        self.started.set()
+        except httpx.HTTPError as error:  # a cut connection
+            self.failure = error
+        self.started.set()
+
+    @property
+    def tokens_received(self) -> list[int]:
+        chunks = [json.loads(event) for event in self.events if event.startswith('{"id"')]
+        return next((c["choices"][0]["token_ids"] for c in chunks if "token_ids" in c["choices"][0]), [])
+
+    @property
+    def errors(self) -> list[dict]:
+        return [json.loads(event)["error"] for event in self.events if event.startswith('{"error"')]
+
+
+def streamed(url: str, tokens: int) -> Stream:
+    stream = Stream(url, tokens)
+    stream.start()
+    assert stream.started.wait(120) and not stream.failure
+    return stream
+
+
+def wait_for_draining(url: str) -> None:
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{url}/health", timeout=5).json() != {"status": "draining"}:
+        assert time.monotonic() < deadline, "the server did not start draining"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_drains_the_streams_in_flight_refuses_new_requests_and_exits_0(artifact, signum):
+    grace = 60.0
+    with kvg_serve(artifact, grace) as (process, url):
+        alone = streamed(url, SHORT)  # the same request on the server before it is stopped
+        alone.join()
+        streams = [streamed(url, SHORT) for _ in range(3)] + [streamed(url, LONG)]
+        process.send_signal(signum)
+        signalled = time.monotonic()
+        wait_for_draining(url)
+        refused = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 4}, timeout=30)
+        assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
+        for stream in streams[:3]:
+            stream.join()
+        drained = "kvg_shutdown_drained_requests_total 3.0"  # the long stream keeps the server up meanwhile
+        deadline = time.monotonic() + 10
+        while drained not in httpx.get(f"{url}/metrics", timeout=30).text:
+            assert time.monotonic() < deadline, "the drained requests are not counted"
+            time.sleep(0.02)
+        streams[3].join()
+        assert process.wait(grace + 1 - (time.monotonic() - signalled)) == 0
+    for stream in streams:
+        assert stream.failure is None and not stream.errors and stream.events[-1] == "[DONE]"
+    assert [stream.tokens_received for stream in streams[:3]] == [alone.tokens_received] * 3
+    assert streams[3].tokens_received[:SHORT] == alone.tokens_received and len(streams[3].tokens_received) == LONG
+    last = process.stderr.read().strip().splitlines()[-1]
+    assert last.startswith(f"kvg-serve: stopped on {signum.name}: drained 4 requests in ")
+
+
+def test_a_stream_longer_than_the_grace_period_ends_with_an_event_that_says_why(artifact):
+    grace = 1.0
+    with kvg_serve(artifact, grace) as (process, url):
+        stream = streamed(url, LONG)
+        process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        stream.join()
+        assert process.wait(grace + 1 - (time.monotonic() - signalled)) == 0
+    assert stream.failure is None  # the answer ended as HTTP answers do, not with a cut connection
+    assert stream.events[-1] == "[DONE]" and len(stream.tokens_received) < LONG
+    [error] = stream.errors
+    assert "grace period" in error["message"] and error["type"] == "server_error"
+    last = process.stderr.read().strip().splitlines()[-1]
+    assert last.startswith("kvg-serve: stopped on SIGTERM: drained 0 requests in ")
+    assert last.endswith(", cut 1 request at the 1 s grace deadline")
+
+
+def test_a_second_signal_stops_the_server_at_once(artifact):
+    with kvg_serve(artifact, 60.0) as (process, url):
+        stream = streamed(url, LONG)
+        process.send_signal(signal.SIGTERM)
+        wait_for_draining(url)
+        process.send_signal(signal.SIGINT)
+        assert process.wait(30) == 1
+        stream.join()
+    assert stream.events[-1] != "[DONE]"  # it was cut off, as asked
+    last = process.stderr.read().strip().splitlines()[-1]
+    assert last == "kvg-serve: a second signal (SIGINT): exiting at once, 1 request cut off"
+
+
+def test_the_drain_counts_what_finishes_in_the_grace_period_and_cuts_the_rest():
+    """The Drain alone, on an event loop: two requests in flight, one finishes in time."""
+    cut, stopped, counted = [], [], {"drained": 0, "cut": 0}
+
+    async def scenario() -> Drain:
+        drain = Drain(grace_s=0.2, on_drained=lambda: counted.update(drained=counted["drained"] + 1),
+                      on_cut=lambda count: counted.update(cut=count))  # fmt: skip
+        drain.admitted()
+        drain.admitted()
+        drain.begin(signal.SIGTERM)
+        running = asyncio.create_task(drain.run(cut.append, lambda: stopped.append(True)))
+        drain.finished()  # the first, within the grace period
+        await asyncio.sleep(0.5)
+        assert cut and not stopped  # past the deadline the rest is cut; the server waits for their last events
+        drain.finished()
+        await running
+        return drain
+
+    drain = asyncio.run(scenario())
+    assert (drain.drained, drain.cut, counted, stopped) == (1, 1, {"drained": 1, "cut": 1}, [True])
+    assert "0.2 s grace period" in cut[0] and "cut 1 request at the 0.2 s grace deadline" in drain.summary()
