@@ -9,11 +9,10 @@ raise the signal again once stopped; DrainingServer takes the signals instead.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,14 +27,15 @@ DEFAULT_GRACE_S = 20.0  # Ray Serve's default; Kubernetes sends SIGKILL 30 s aft
 CUT_FLUSH_S = 5.0  # after the deadline, for the cut requests' final events to reach their clients
 RETRY_AFTER_S = 1
 FORCED_EXIT = 1  # the status of a server stopped at once by a second signal
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
 GENERATING = ("/v1/completions", "/v1/chat/completions")
 
 
 @dataclass
 class Drain:
-    """What a server has in flight, and its shutdown once a signal comes: `begin` stops admitting, and `run` (on the
-    event loop) waits for what is in flight, calls `cut` with a message if requests are left at the deadline, then
-    `stop`."""
+    """What a server has in flight, and its shutdown once a signal comes: `begin` stops admitting (it takes no lock,
+    so a signal handler may call it), and `run` (in a thread of its own) waits for what is in flight, calls `cut`
+    with a message if requests are left at the deadline, then `stop`."""
 
     grace_s: float = DEFAULT_GRACE_S
     active: int = 0  # generating requests whose answers are not sent whole yet
@@ -48,48 +48,58 @@ class Drain:
     on_cut: Callable[[int], None] = lambda count: None
 
     def __post_init__(self) -> None:
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._changed = threading.Condition()
 
     def admitted(self) -> None:
-        self.active += 1
-        self._idle.clear()
+        with self._changed:
+            self.active += 1
 
     def finished(self) -> None:
-        self.active -= 1
-        if self.draining and not self.cut:
-            self.drained += 1
-            self.on_drained()
-        if self.active == 0:
-            self._idle.set()
+        with self._changed:
+            self.active -= 1
+            if self.draining and not self.cut:
+                self.drained += 1
+                self.on_drained()
+            self._changed.notify_all()
 
     def begin(self, signum: int) -> None:
         self.draining, self.signal_name, self.started_at = True, signal.Signals(signum).name, time.monotonic()
 
-    async def run(self, cut: Callable[[str], None], stop: Callable[[], None]) -> None:
+    def run(self, cut: Callable[[str], None], stop: Callable[[], None]) -> None:
         """Wait for what is in flight for up to the grace period, end the rest, then stop."""
-        try:
-            await asyncio.wait_for(self._idle.wait(), self.grace_s)
-        except asyncio.TimeoutError:
-            self.cut = self.active
-            self.on_cut(self.cut)
-            await asyncio.to_thread(cut, f"the server shut down ({self.signal_name}): this request did not finish "
-                                         f"within its {self.grace_s:g} s grace period; retry it")  # fmt: skip
-            with contextlib.suppress(asyncio.TimeoutError):  # a client that reads no more: uvicorn closes it
-                await asyncio.wait_for(self._idle.wait(), CUT_FLUSH_S)
+        with self._changed:
+            idle = self._changed.wait_for(lambda: self.active == 0, self.grace_s)
+            if not idle:
+                self.cut = self.active
+                self.on_cut(self.cut)
+        if not idle:
+            cut(f"the server shut down ({self.signal_name}): this request did not finish within its {self.grace_s:g} s "
+                "grace period; retry it")  # fmt: skip
+            with self._changed:  # their last events on their way; a client that reads no more is closed on exit
+                self._changed.wait_for(lambda: self.active == 0, CUT_FLUSH_S)
         stop()
 
     def summary(self) -> str:
         """One line on how the server stopped."""
         if not self.draining:
             return "stopped"
-        took = time.monotonic() - self.started_at
-        cut = f", cut {requests(self.cut)} at the {self.grace_s:g} s grace deadline" if self.cut else ""
-        return f"stopped on {self.signal_name}: drained {requests(self.drained)} in {took:.1f} s{cut}"
+        return stopped_line(self.signal_name, time.monotonic() - self.started_at, self.drained, self.cut, self.grace_s)
+
+
+def stopped_line(signal_name: str, took_s: float, drained: int, cut: int, grace_s: float) -> str:
+    ended = f", cut {requests(cut)} at the {grace_s:g} s grace deadline" if cut else ""
+    return f"stopped on {signal_name}: drained {requests(drained)} in {took_s:.1f} s{ended}"
 
 
 def requests(count: int) -> str:
     return f"{count} request{'' if count == 1 else 's'}"
+
+
+def exit_at_once(signum: int, cut_off: str) -> None:
+    """A second signal: no waiting and no clean-up (an engine step may be running); `cut_off`: what it leaves."""
+    print(f"kvg-serve: a second signal ({signal.Signals(signum).name}): exiting at once, {cut_off} cut off",
+          file=sys.stderr, flush=True)  # fmt: skip
+    os._exit(FORCED_EXIT)
 
 
 class DrainGuard:
@@ -124,22 +134,15 @@ class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, drain: Drain, cut: Callable[[str], None]):
         super().__init__(config)
         self.drain, self.cut = drain, cut
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    async def startup(self, sockets=None) -> None:
-        self._loop = asyncio.get_running_loop()
-        await super().startup(sockets)
 
     def handle_exit(self, sig: int, frame) -> None:
-        if self.drain.draining:  # a second signal: no waiting, no clean-up (an engine step may be running)
-            name = signal.Signals(sig).name
-            print(f"kvg-serve: a second signal ({name}): exiting at once, {requests(self.drain.active)} cut off",
-                  file=sys.stderr, flush=True)  # fmt: skip
-            os._exit(FORCED_EXIT)
-        if self._loop is None:  # before the server started: nothing is in flight
+        if self.drain.draining:
+            exit_at_once(sig, requests(self.drain.active))
+        if not self.started:  # nothing is in flight yet
             self.should_exit = True
             return
-        self.drain.begin(sig)  # at once: a request arriving before the drain's task runs is refused too
-        self._loop.call_soon_threadsafe(
-            lambda: self._loop.create_task(self.drain.run(self.cut, lambda: setattr(self, "should_exit", True)))
-        )
+        self.drain.begin(sig)  # at once: a request arriving before the drain's thread runs is refused too
+        threading.Thread(target=self.drain.run, args=(self.cut, self._stop), name="kvg-drain", daemon=True).start()
+
+    def _stop(self) -> None:
+        self.should_exit = True

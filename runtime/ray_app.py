@@ -3,35 +3,89 @@ more replicas on more nodes is configuration, not code.
 
 `kvg-serve DIR --ray --replicas N`, or with Ray's own CLI:
 `serve run runtime.ray_app:app_builder artifact=DIR replicas=N [max_batch=8 ...]`.
+
+`kvg-serve --ray` drains as kvg-serve alone does (runtime/drain.py): the driver takes SIGTERM and SIGINT, and
+tells every replica through a DrainSignal actor; each replica refuses new requests, finishes or cuts what it has
+and reports, and then Serve and Ray are shut down. Under `serve run` Ray Serve's own graceful shutdown applies,
+given the grace period and the cut's time.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import signal
+import threading
+import time
 
 import ray
 from ray import serve
 from ray.serve import Application
 
+from runtime.answers import ServerState
+from runtime.drain import CUT_FLUSH_S, SIGNALS, exit_at_once, stopped_line
 from runtime.server import ServeOptions, open_app
 
 DEPLOYMENT = "kvg-serve"
 # app_builder's arguments arrive as text: their types, and the two that are the deployment's own
 TYPES = {"max_batch": int, "max_queue": int, "timeout_s": float, "threads": int, "max_body_bytes": int,
-         "prefill_budget": int, "prefix_cache_mb": int, "replicas": int, "replica_cpus": float}  # fmt: skip
+         "prefill_budget": int, "prefix_cache_mb": int, "shutdown_grace_s": float, "replicas": int,
+         "replica_cpus": float}  # fmt: skip
+REPORT_MARGIN_S = 10.0  # beyond the grace period and the cut, for the replicas' reports to come
 
 
-def application(options: ServeOptions, replicas: int = 1, replica_cpus: float = 1.0) -> Application:
+@ray.remote(num_cpus=0)
+class DrainSignal:
+    """The signal a `kvg-serve --ray` driver took, for its replicas to drain by, and how each replica's drain ended.
+    An async actor: each replica waits in `signalled` until the driver calls `begin`."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.taken = asyncio.Event()
+        self.ended: dict[str, tuple[int, int]] = {}
+
+    def begin(self, signum: int) -> None:
+        self.signum = signum
+        self.taken.set()
+
+    async def signalled(self) -> int:
+        await self.taken.wait()
+        return self.signum
+
+    def end(self, replica: str, drained: int, cut: int) -> None:
+        self.ended[replica] = (drained, cut)
+
+    def results(self) -> dict[str, tuple[int, int]]:
+        return self.ended
+
+
+def _drain_when_signalled(drain_signal, state: ServerState, replica: str) -> None:
+    """A replica's thread: once the driver has taken a signal, drain as kvg-serve alone does, and report."""
+    drain = state.drain
+    drain.begin(ray.get(drain_signal.signalled.remote()))
+    drain.run(state.engine.close, lambda: ray.get(drain_signal.end.remote(replica, drain.drained, drain.cut)))
+
+
+def application(
+    options: ServeOptions, replicas: int = 1, replica_cpus: float = 1.0, drain_signal=None
+) -> Application:  # fmt: skip
     """Each replica opens the artifact itself (the app is built on the replica) and takes as many requests
-    at once as its engine holds rows and queue places, so its own 429 tells Ray's proxy it is full."""
+    at once as its engine holds rows and queue places, so its own 429 tells Ray's proxy it is full.
+    `drain_signal`: the DrainSignal the replicas drain by (None: Ray Serve's own graceful shutdown alone)."""
 
     def build():
-        return open_app(options)
+        app = open_app(options)
+        if drain_signal is not None:
+            replica = serve.get_replica_context().replica_id.unique_id
+            threading.Thread(target=_drain_when_signalled, args=(drain_signal, app.state.kvg, replica),
+                             name="kvg-drain", daemon=True).start()  # fmt: skip
+        return app
 
     ingress = serve.ingress(build)()
     deployment = serve.deployment(
         ingress, name=DEPLOYMENT, num_replicas=replicas, ray_actor_options={"num_cpus": replica_cpus},
         max_ongoing_requests=options.max_batch + options.max_queue,
+        graceful_shutdown_timeout_s=options.shutdown_grace_s + CUT_FLUSH_S, graceful_shutdown_wait_loop_s=0.1,
     )  # fmt: skip
     return deployment.bind()
 
@@ -48,7 +102,36 @@ def app_builder(args: dict[str, str]) -> Application:
     return application(options, replicas, replica_cpus)
 
 
-def serve_forever(options: ServeOptions, replicas: int, replica_cpus: float, host: str, port: int) -> None:
+def serve_forever(options: ServeOptions, replicas: int, replica_cpus: float, host: str, port: int) -> str:
+    """Serve until SIGTERM or SIGINT, drain every replica, shut Serve and Ray down; returns the line saying how.
+    A local cluster's processes start with SIGINT ignored, so that a Ctrl-C (sent to the terminal's whole process
+    group) stops the driver alone, which drains the replicas and then shuts the cluster down."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited by the processes a local cluster starts
     ray.init()  # the cluster RAY_ADDRESS names, else a local one
+    taken: list[int] = []
+    signalled = threading.Event()
+
+    def on_signal(signum: int, _frame) -> None:
+        if taken:
+            exit_at_once(signum, "the replicas' requests")
+        taken.append(signum)
+        signalled.set()
+
+    for signum in SIGNALS:
+        signal.signal(signum, on_signal)
+    drain_signal = DrainSignal.remote()
     serve.start(http_options={"host": host, "port": port})
-    serve.run(application(options, replicas, replica_cpus), name=DEPLOYMENT, route_prefix="/", blocking=True)
+    serve.run(application(options, replicas, replica_cpus, drain_signal), name=DEPLOYMENT, route_prefix="/")
+    while not signalled.wait(1.0):
+        pass
+    began = time.monotonic()
+    ray.get(drain_signal.begin.remote(taken[0]))
+    deadline = began + options.shutdown_grace_s + CUT_FLUSH_S + REPORT_MARGIN_S
+    while len(ended := ray.get(drain_signal.results.remote())) < replicas and time.monotonic() < deadline:
+        time.sleep(0.1)
+    took = time.monotonic() - began
+    serve.delete(DEPLOYMENT)  # its replicas are idle now; a cluster of RAY_ADDRESS keeps Serve for other apps
+    ray.shutdown()
+    drained, cut = (sum(counts) for counts in zip(*ended.values(), strict=True)) if ended else (0, 0)
+    line = stopped_line(signal.Signals(taken[0]).name, took, drained, cut, options.shutdown_grace_s)
+    return f"{line}, on {len(ended)} of {replicas} replicas"

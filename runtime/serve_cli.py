@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.replicas < 1 or args.replica_cpus < 0:
             raise ArtifactError("--replicas must be >= 1 and --replica-cpus >= 0")
         if args.ray:
-            serve_forever(options, args.replicas, args.replica_cpus, args.host, args.port)
+            print(f"kvg-serve: {serve_forever(options, args.replicas, args.replica_cpus, args.host, args.port)}",
+                  file=sys.stderr)  # fmt: skip
             return 0
         app = open_app(options)
     except (ArtifactError, ValueError) as error:

@@ -28,20 +28,25 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def exported(tmp_path_factory):
-    """exported(preset, cache, dtype="fp32", attention="auto", provider="cpu") -> (ExportResult, progress
-    lines), each exported (and validated on `provider`) once per run: `make test` runs the tests in several
-    pytest-xdist workers, and the first worker to need an artifact exports it, under a file lock, for all."""
+    """exported(preset, cache, dtype="fp32", attention="auto", provider="cpu", length=None, max_batch=None) ->
+    (ExportResult, progress lines), each exported (and validated on `provider`) once per run: `make test` runs the
+    tests in several pytest-xdist workers, and the first worker to need an artifact exports it, under a file lock,
+    for all. A static cache is STATIC_LENGTH slots long unless `length` says otherwise."""
     shared = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         shared = shared.parent  # the run's folder, above each worker's own
     made = {}
 
-    def export(preset: str, cache: str, dtype: str = "fp32", attention: str = "auto", provider: str = "cpu"):
-        length = STATIC_LENGTH if cache == "static" else None
+    def export(preset: str, cache: str, dtype: str = "fp32", attention: str = "auto", provider: str = "cpu",
+               length: int | None = None, max_batch: int | None = None):  # fmt: skip
+        sized = (length, max_batch) != (None, None)
+        length = length or (STATIC_LENGTH if cache == "static" else None)
+        batch = {"max_batch": max_batch} if max_batch else {}
         unmade = tmp_path_factory.getbasetemp() / "unmade"
-        options = ExportOptions(preset, unmade, cache, dtype, length, provider=provider, attention=attention)
+        options = ExportOptions(preset, unmade, cache, dtype, length, provider=provider, attention=attention, **batch)
         attention = check_options(options).attention
         key = (preset, cache, dtype, attention, provider)  # "auto" as what it resolves to: one export for both
+        key += (f"{length}x{max_batch}",) if sized else ()
         if key not in made:
             name = "-".join(key)
             record, out = shared / "artifacts" / f"{name}.pickle", shared / "artifacts" / name / name
@@ -58,6 +63,7 @@ def exported(tmp_path_factory):
                         provider=provider,
                         attention=attention,
                         separate_process=False,
+                        **batch,
                     )  # quicker; test_apart.py runs it apart
                     result = export_artifact(options, log=lines.append)
                     record.write_bytes(pickle.dumps((result, lines)))

@@ -1,6 +1,10 @@
-"""kvg-serve as a Ray Serve application on a local Ray instance: two replicas behind one HTTP API."""
+"""kvg-serve as a Ray Serve application on a local Ray instance: two replicas behind one HTTP API, and
+`kvg-serve --ray` drained by a signal as kvg-serve alone is."""
 
+import os
+import signal
 import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -8,12 +12,63 @@ import openai
 import pytest
 import ray
 from ray import serve
+from test_serve_shutdown import LONG, MEDIUM, SHORT, kvg_serve, streamed, wait_for_draining
 
 from runtime.artifact import ArtifactError, SessionOptions
 from runtime.generator import GenerationConfig, Generator
 from runtime.ray_app import DEPLOYMENT, app_builder
 
 MODEL = "fox-tiny"
+# Beyond the grace period: Serve's deletion of the drained app and the local cluster's shutdown (about 3 s here,
+# more on a loaded machine)
+RAY_STOP_S = 15.0
+REPLICAS = ("--ray", "--replicas", "2", "--replica-cpus", "0.5")
+
+
+# First in the file: `kvg-serve --ray` starts a local Ray cluster of its own, which must be gone before this module's
+# in-process one starts
+def test_kvg_serve_on_two_ray_replicas_drains_on_ctrl_c_and_exits_0(exported):
+    """Streams on both replicas at the signal arrive whole; once draining, a request gets 503; the driver exits 0
+    with one line and no traceback. SIGINT goes to the driver's whole process group, as a terminal's Ctrl-C does
+    (SIGTERM takes the same path: the next test)."""
+    artifact, grace = exported("fox-small", "static", length=1024, max_batch=4)[0].path, 60.0
+    with kvg_serve(artifact, grace, *REPLICAS, session=True) as (process, url):
+        alone = streamed(url, SHORT)
+        alone.join()
+        # the proxy spreads them over both replicas; long enough to be running still when the last has started
+        streams = [streamed(url, MEDIUM) for _ in range(4)]
+        sent = time.monotonic()
+        os.killpg(process.pid, signal.SIGINT)
+        wait_for_draining(url, consecutive=6)  # both replicas, whichever the proxy asks
+        refused = httpx.post(f"{url}/v1/completions", json={"prompt": "def main():", "max_tokens": 4}, timeout=30)
+        assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
+        for stream in streams:
+            stream.join()
+        assert process.wait(grace + RAY_STOP_S - (time.monotonic() - sent)) == 0
+    for stream in streams:
+        assert stream.failure is None and not stream.errors and stream.events[-1] == "[DONE]"
+        assert stream.tokens_received[:SHORT] == alone.tokens_received
+    output = process.stderr.read()
+    assert "Traceback" not in output and "SIGTERM received" not in output
+    last = output.strip().splitlines()[-1]
+    assert last.startswith("kvg-serve: stopped on SIGINT: drained 4 requests in ")
+    assert last.endswith("on 2 of 2 replicas")
+
+
+def test_kvg_serve_on_ray_ends_a_stream_longer_than_the_grace_period_with_an_event_that_says_why(exported):
+    artifact, grace = exported("fox-small", "static", length=1024, max_batch=4)[0].path, 1.0
+    with kvg_serve(artifact, grace, *REPLICAS) as (process, url):
+        stream = streamed(url, LONG)
+        sent = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        stream.join()
+        assert process.wait(grace + RAY_STOP_S - (time.monotonic() - sent)) == 0
+    assert stream.failure is None and stream.events[-1] == "[DONE]" and len(stream.tokens_received) < LONG
+    [error] = stream.errors
+    assert "grace period" in error["message"]
+    output = process.stderr.read()
+    assert "Traceback" not in output and "SIGTERM received" not in output
+    assert output.strip().splitlines()[-1].endswith("cut 1 request at the 1 s grace deadline, on 2 of 2 replicas")
 
 
 @pytest.fixture(scope="module")

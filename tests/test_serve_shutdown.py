@@ -2,7 +2,6 @@
 that fit in the grace period arrive whole, new requests get 503, the process exits 0), ends a stream longer than
 the grace period with an event that says why, and stops at once on a second signal."""
 
-import asyncio
 import json
 import signal
 import subprocess
@@ -16,34 +15,33 @@ import httpx
 import pytest
 from test_serve import free_socket
 
-from exporters.export import ExportOptions, export_artifact
 from runtime.drain import Drain
 
 REPO = Path(__file__).resolve().parent.parent
-SHORT, LONG = 120, 800  # new tokens of a stream that fits in the grace period, and of one that does not
+# New tokens of streams that fit in the grace period (MEDIUM: long enough to keep a server draining a while), and of
+# one that does not
+SHORT, MEDIUM, LONG = 120, 360, 800
 PROMPT = "def main():"
 
 
 @pytest.fixture(scope="module")
-def artifact(tmp_path_factory) -> Path:
+def artifact(exported) -> Path:
     """fox-small with room for a stream of several seconds on one thread."""
-    out = tmp_path_factory.mktemp("shutdown") / "fox-small-static"
-    export_artifact(ExportOptions("fox-small", out, "static", max_cache_len=1024, max_batch=4, separate_process=False),
-                    log=lambda line: None)  # fmt: skip
-    return out
+    return exported("fox-small", "static", length=1024, max_batch=4)[0].path
 
 
 @contextmanager
-def kvg_serve(artifact: Path, grace: float):
-    """kvg-serve on a free port with `grace`; yields the process and its URL once healthy, and kills it if the test
-    leaves it running."""
+def kvg_serve(artifact: Path, grace: float, *flags: str, session: bool = False):
+    """kvg-serve on a free port with `grace` and `flags` (`session`: in a process group of its own, as a terminal's
+    job); yields the process and its URL once healthy, and kills it if the test leaves it running."""
     port = free_socket().getsockname()[1]
     command = [sys.executable, "-m", "runtime.serve_cli", str(artifact), "--port", str(port), "--max-batch", "4",
-               "--threads", "1", "--provider", "cpu", "--shutdown-grace", str(grace)]  # fmt: skip
-    process = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, text=True)
+               "--threads", "1", "--provider", "cpu", "--shutdown-grace", str(grace), *flags]  # fmt: skip
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               start_new_session=session)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 180
         while not healthy(url):
             assert process.poll() is None, process.stderr.read()
             assert time.monotonic() < deadline, "kvg-serve did not start"
@@ -100,10 +98,12 @@ def streamed(url: str, tokens: int) -> Stream:
     return stream
 
 
-def wait_for_draining(url: str) -> None:
-    deadline = time.monotonic() + 10
-    while httpx.get(f"{url}/health", timeout=5).json() != {"status": "draining"}:
+def wait_for_draining(url: str, consecutive: int = 1) -> None:
+    """Until /health says the server drains, `consecutive` times in a row (each replica behind a proxy)."""
+    deadline, seen = time.monotonic() + 30, 0
+    while seen < consecutive:
         assert time.monotonic() < deadline, "the server did not start draining"
+        seen = seen + 1 if httpx.get(f"{url}/health", timeout=5).json() == {"status": "draining"} else 0
         time.sleep(0.02)
 
 
@@ -113,7 +113,7 @@ def test_a_signal_drains_the_streams_in_flight_refuses_new_requests_and_exits_0(
     with kvg_serve(artifact, grace) as (process, url):
         alone = streamed(url, SHORT)  # the same request on the server before it is stopped
         alone.join()
-        streams = [streamed(url, SHORT) for _ in range(3)] + [streamed(url, LONG)]
+        streams = [streamed(url, SHORT) for _ in range(3)] + [streamed(url, MEDIUM)]
         process.send_signal(signum)
         signalled = time.monotonic()
         wait_for_draining(url)
@@ -131,7 +131,7 @@ def test_a_signal_drains_the_streams_in_flight_refuses_new_requests_and_exits_0(
     for stream in streams:
         assert stream.failure is None and not stream.errors and stream.events[-1] == "[DONE]"
     assert [stream.tokens_received for stream in streams[:3]] == [alone.tokens_received] * 3
-    assert streams[3].tokens_received[:SHORT] == alone.tokens_received and len(streams[3].tokens_received) == LONG
+    assert streams[3].tokens_received[:SHORT] == alone.tokens_received and len(streams[3].tokens_received) == MEDIUM
     last = process.stderr.read().strip().splitlines()[-1]
     assert last.startswith(f"kvg-serve: stopped on {signum.name}: drained 4 requests in ")
 
@@ -167,23 +167,19 @@ def test_a_second_signal_stops_the_server_at_once(artifact):
 
 
 def test_the_drain_counts_what_finishes_in_the_grace_period_and_cuts_the_rest():
-    """The Drain alone, on an event loop: two requests in flight, one finishes in time."""
-    cut, stopped, counted = [], [], {"drained": 0, "cut": 0}
-
-    async def scenario() -> Drain:
-        drain = Drain(grace_s=0.2, on_drained=lambda: counted.update(drained=counted["drained"] + 1),
-                      on_cut=lambda count: counted.update(cut=count))  # fmt: skip
-        drain.admitted()
-        drain.admitted()
-        drain.begin(signal.SIGTERM)
-        running = asyncio.create_task(drain.run(cut.append, lambda: stopped.append(True)))
-        drain.finished()  # the first, within the grace period
-        await asyncio.sleep(0.5)
-        assert cut and not stopped  # past the deadline the rest is cut; the server waits for their last events
-        drain.finished()
-        await running
-        return drain
-
-    drain = asyncio.run(scenario())
-    assert (drain.drained, drain.cut, counted, stopped) == (1, 1, {"drained": 1, "cut": 1}, [True])
-    assert "0.2 s grace period" in cut[0] and "cut 1 request at the 0.2 s grace deadline" in drain.summary()
+    """The Drain alone: two requests in flight, one finishes in time, the other is cut at the deadline."""
+    cut, stopped, counted = threading.Event(), threading.Event(), {"drained": 0, "cut": 0}
+    messages = []
+    drain = Drain(grace_s=0.2, on_drained=lambda: counted.update(drained=counted["drained"] + 1),
+                  on_cut=lambda count: counted.update(cut=count))  # fmt: skip
+    drain.admitted()
+    drain.admitted()
+    drain.begin(signal.SIGTERM)
+    running = threading.Thread(target=drain.run, args=(lambda m: (messages.append(m), cut.set()), stopped.set))
+    running.start()
+    drain.finished()  # the first, within the grace period
+    assert cut.wait(30) and not stopped.is_set()  # past the deadline the rest is cut; its last event is awaited
+    drain.finished()
+    running.join(30)
+    assert stopped.is_set() and (drain.drained, drain.cut, counted) == (1, 1, {"drained": 1, "cut": 1})
+    assert "0.2 s grace period" in messages[0] and "cut 1 request at the 0.2 s grace deadline" in drain.summary()
