@@ -122,7 +122,7 @@ def serve_forever(options: ServeOptions, replicas: int, replica_cpus: float, hos
     drain_signal = DrainSignal.remote()
     serve.start(http_options={"host": host, "port": port})
     serve.run(application(options, replicas, replica_cpus, drain_signal), name=DEPLOYMENT, route_prefix="/")
-    while not signalled.wait(1.0):
+    while not signalled.wait(0.1):  # a timed wait, so that the signal's handler runs at once
         pass
     began = time.monotonic()
     ray.get(drain_signal.begin.remote(taken[0]))
