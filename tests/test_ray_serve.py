@@ -12,7 +12,7 @@ import openai
 import pytest
 import ray
 from ray import serve
-from test_serve_shutdown import LONG, MEDIUM, SHORT, kvg_serve, streamed, wait_for_draining
+from test_serve_shutdown import LONG, MEDIUM, SHORT, ended_after, kvg_serve, streamed, wait_for_draining
 
 from runtime.artifact import ArtifactError, SessionOptions
 from runtime.generator import GenerationConfig, Generator
@@ -33,11 +33,11 @@ def test_kvg_serve_on_two_ray_replicas_drains_on_ctrl_c_and_exits_0(exported):
     (SIGTERM takes the same path: the next test)."""
     artifact, grace = exported("fox-small", "static", length=1024, max_batch=4)[0].path, 60.0
     with kvg_serve(artifact, grace, *REPLICAS, session=True) as (process, url):
-        alone = streamed(url, SHORT)
+        [alone] = streamed(url, SHORT)
         alone.join()
-        # the proxy spreads them over both replicas, long enough to be running still when the last has started; the
-        # longest keeps the app up (the driver waits for every replica) while a request is refused
-        streams = [streamed(url, MEDIUM) for _ in range(3)] + [streamed(url, LONG)]
+        # the proxy spreads them over both replicas; the longest keeps the app up (the driver waits for every
+        # replica) while a request is refused
+        streams = streamed(url, MEDIUM, MEDIUM, MEDIUM, LONG)
         sent = time.monotonic()
         os.killpg(process.pid, signal.SIGINT)
         wait_for_draining(url, consecutive=2)  # both replicas wait on one event: they begin within milliseconds
@@ -52,14 +52,15 @@ def test_kvg_serve_on_two_ray_replicas_drains_on_ctrl_c_and_exits_0(exported):
     output = process.stderr.read()
     assert "Traceback" not in output and "SIGTERM received" not in output
     last = output.strip().splitlines()[-1]
-    assert last.startswith("kvg-serve: stopped on SIGINT: drained 4 requests in ")
+    in_flight = ended_after(streams, sent)  # all, but on a machine too loaded to start them in time
+    assert in_flight >= 2 and last.startswith(f"kvg-serve: stopped on SIGINT: drained {in_flight} requests in ")
     assert last.endswith("on 2 of 2 replicas")
 
 
 def test_kvg_serve_on_ray_ends_a_stream_longer_than_the_grace_period_with_an_event_that_says_why(exported):
     artifact, grace = exported("fox-small", "static", length=1024, max_batch=4)[0].path, 1.0
     with kvg_serve(artifact, grace, *REPLICAS) as (process, url):
-        stream = streamed(url, LONG)
+        [stream] = streamed(url, LONG)
         sent = time.monotonic()
         process.send_signal(signal.SIGTERM)
         stream.join()
