@@ -20,6 +20,7 @@ from exporters.evaluate import DEFAULT_CONTEXT, EagerRun, EvalError, run_eager
 from exporters.export import AS_CONFIG, IN_PLACE_KINDS, ExportError, ExportOptions, Lowered
 from exporters.manifest import build_manifest, source_digest
 from exporters.onnx_export import export_program, lower_to_onnx
+from exporters.preflight import parameters
 from exporters.progress import Progress
 from exporters.references import record
 from exporters.stages import stage
@@ -38,10 +39,13 @@ def lower(
 ) -> Lowered:  # fmt: skip
     """Write the float graph to `model_path` and record eager's outputs on the validation's inputs; `tokenizer`: what
     the manifest says of the checkpoint's (exporters/checkpoint_tokenizer.py)."""
+    count = parameters(checkpoint)
     model = stage(
         log, "load", lambda _: load_model(checkpoint, dtype=TORCH_DTYPES[options.dtype]),
         lambda m: f"{options.model}: {sum(p.numel() for p in m.parameters()):,} parameters, {options.dtype}",
+        expected=f"reading {count:,} parameters" if count else "reading the checkpoint",
     )  # fmt: skip
+    layers = f"{model.config.num_hidden_layers} layers"
     layout = cache_layout(model.config, static=options.cache == "static")
     in_place = options.attention in IN_PLACE_KINDS
     pruning = _pruning(options, model)
@@ -55,6 +59,7 @@ def lower(
         lambda _: export_program(model, layout, options.max_cache_len, options.max_batch, in_place, offsets),
         lambda _: f"torch.export, {options.cache} cache, {options.attention} attention"
         + (", layer windows for forget-gate pruning" if offsets else ""),
+        expected=f"torch.export of {layers}",
     )  # fmt: skip
     # Recorded before the lowering, for the same reason as the text above (fox-base: 1.15 against 1.19 GB peak)
     batch, longer_buffers = min(2, options.max_batch), in_place and not layout.static  # only gqa is dynamic
@@ -74,6 +79,7 @@ def lower(
         + f", forget-gate rewrites {-fused[3]:+d} nodes"
         + (f", {fused[4]} gate writes in place in a long enough buffer" if fused[4] else "")
         + ", weights memory-mappable in model.onnx.data",
+        expected=f"torch.onnx.export of {layers}, the graph passes, then the weights written",
     )  # fmt: skip
     manifest = build_manifest(
         model.config, layout, dtype=str(model.dtype).removeprefix("torch."), opset=options.opset,

@@ -27,6 +27,7 @@ class Progress:
         self.terminal = sys.stderr.isatty() if terminal is None else terminal
         self.total: int | None = None
         self.unit = ""
+        self.work: str | None = None  # what a stage without counted units does, said in its lines
         self.done = 0
         self.started = time.monotonic()
         self._ended = threading.Event()
@@ -51,6 +52,12 @@ class Progress:
         if self._lines is not None:
             self._lines.join()
 
+    def expect(self, work: str) -> None:
+        """What the stage does, where its work cannot be counted (one library call): said with its elapsed time."""
+        self.work = work
+        if self._bar is not None:
+            self._bar.set_postfix_str(work)
+
     def plan(self, more: int, unit: str) -> None:
         """The stage has `more` units of work (windows, weights, steps) besides what it planned before."""
         self.total, self.unit = (self.total or 0) + more, unit
@@ -67,7 +74,7 @@ class Progress:
         """What the stage has done so far, as a log line: `name ... seconds: what`, apart from its stage line."""
         elapsed = time.monotonic() - self.started
         if self.total is None:
-            return f"{self.name:<9} ... {elapsed:.0f} s: running"
+            return f"{self.name:<9} ... {elapsed:.0f} s: running" + (f", {self.work}" if self.work else "")
         line = f"{self.name:<9} ... {elapsed:.0f} s: {self.done:,}/{self.total:,} {self.unit}"
         if 0 < self.done < self.total:
             left = elapsed * (self.total - self.done) / self.done

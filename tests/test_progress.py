@@ -37,10 +37,11 @@ def test_a_long_stage_logs_how_much_work_it_has_then_how_much_is_done():
     assert len(lines) == count  # nothing after the stage ends
 
 
-def test_work_without_a_count_still_says_it_is_running():
+def test_work_without_a_count_says_what_it_does_and_that_it_is_running():
     lines = []
-    with Progress(lines.append, "trace", delay_s=0, every_s=0.05, terminal=False):
-        assert re.fullmatch(r"trace +\.\.\. \d+ s: running", wait_for(lines, "running"))
+    with Progress(lines.append, "trace", delay_s=0.2, every_s=0.05, terminal=False) as progress:
+        progress.expect("torch.export of 24 layers")
+        assert re.fullmatch(r"trace +\.\.\. \d+ s: running, torch.export of 24 layers", wait_for(lines, "running"))
 
 
 def test_on_a_terminal_the_work_is_a_bar_on_stderr_and_nothing_is_logged(capsys):
