@@ -73,11 +73,6 @@ class CheckpointTokenizer:
     def text_tokenizer(self) -> TextTokenizer:
         return TextTokenizer(self.bpe(), self.rules)
 
-    @property
-    def text(self) -> dict:
-        """The manifest's `text`."""
-        return {"escape": self.rules.escape, "bos": self.rules.bos}
-
 
 def _json(path: Path) -> dict:
     try:

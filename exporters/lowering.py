@@ -87,7 +87,7 @@ def lower(
         source=str(options.model),
         source_sha256=source_digest(checkpoint), exporter_version=version("kvg-export"),
         files={"model": "model.onnx", "tokenizer": FAST_FILE if tokenizer else None}, window_offsets=offsets,
-        text=tokenizer.text if tokenizer else None, tokenizer_special_ids=tokenizer.special_ids if tokenizer else {},
+        text=tokenizer.rules if tokenizer else None, tokenizer_special_ids=tokenizer.special_ids if tokenizer else {},
     )  # fmt: skip
     manifest["pruning"] = pruning
     return Lowered(manifest, references, eager)

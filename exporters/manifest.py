@@ -8,6 +8,7 @@ is checked against it before an artifact is called good.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import asdict
 from pathlib import Path
 
 import onnx
@@ -15,6 +16,7 @@ import onnx
 from exporters.contract import CACHE_FIELDS, KEPT_AXIS, LOGITS_TO_KEEP, PAST_TEMPLATE, PRESENT_TEMPLATE, CacheLayout
 from runtime.artifact import ROW_HEADS_AXIS, ROWS_AXIS
 from runtime.pruning import WINDOW_OFFSETS
+from runtime.tokenizer import TextRules
 
 MANIFEST_NAME = "kvg_config.json"
 FORMAT_VERSION = 2  # 2: a static graph's attention_mask is the attention window, not the buffer
@@ -71,7 +73,7 @@ def graph_io(
 def build_manifest(
     config, layout: CacheLayout, *, dtype: str, opset: int, max_cache_len: int | None, max_batch: int,
     attention: str, source: str, source_sha256: str, exporter_version: str, files: dict[str, str | None],
-    window_offsets: bool = False, text: dict | None = None, tokenizer_special_ids: dict[str, int] | None = None,
+    window_offsets: bool = False, text: TextRules | None = None, tokenizer_special_ids: dict[str, int] | None = None,
 ) -> dict:  # fmt: skip
     """`attention`: "standard" (ONNX MatMul and Softmax, any provider) or "gqa" (onnxruntime's CPU
     GroupQueryAttention, which cannot take a chunk of a prompt after the first for batch > 1). `text`: how the
@@ -119,7 +121,7 @@ def build_manifest(
             "eos": eos if isinstance(eos, list) or eos is None else [eos],
             "pad": config.pad_token_id if config.pad_token_id is not None else named.get("pad"),
         },
-        "text": text or {"escape": None, "bos": None},
+        "text": asdict(text or TextRules()),
         "files": files,
         "quantization": None,  # a quantized export records its settings here (exporters/quantize.py)
     }
