@@ -1,0 +1,411 @@
+// FoX attention over the gated cache as one onnxruntime custom op: kvg.fox FoxAttention, version 1.
+//
+// A layer's step in one node: the new keys, values and log forget gates are written into the cache buffers (in
+// place where the runtime binds one buffer as past and present), then every new query attends its head's own
+// window with the decay c_i - c_j added to its scaled scores:
+//
+//   logit_ij = q_i . k_j / sqrt(d) + sum_{l in (j, i]} g_l,   j <= i and allowed,   o_i = softmax_j(logit_ij) v
+//
+// The sums are taken in double from the window's start, so a 6,000-token prompt in one run is as precise as a
+// chunked one. Each kv head h reads its buffer rows from slot 0, which is the window's slot window_starts[h]
+// (forget-gate pruning dropped the slots before), so heads of one layer may hold windows of different lengths.
+//
+// Inputs (B rows, S new tokens, H query heads, K kv heads, D head_dim, L buffer slots, W window slots):
+//   0 query [B, S, H*D] float   1 key [B, S, K*D] float   2 value [B, S, K*D] float
+//   3 log_gates [B, H, S] float (0 at padding)
+//   4 past_key [B, K, L, D]   5 past_value [B, K, L, D]   6 past_gate [B, H, L] float
+//   7 allowed [B or 1, 1, S, W] bool: query i may attend window slot j (keys after the query's own slot are
+//     masked by the op itself)
+//   8 cache_position [S] int64: the window slots of the new tokens, consecutive
+//   9 window_starts [K] int64, optional (absent: all 0)
+// Attributes: num_heads (H), kv_num_heads (K).
+// Outputs: 0 output [B, S, H*D]; 1 present_key, 2 present_value [B, K, P, D]; 3 present_gate [B, H, P], where
+//   P = max(L, W - min(window_starts)). A present bound to its past's buffer is written in place; otherwise the
+//   past is copied into it first and its slots after the past are zero.
+//
+// Threads: onnxruntime's intra-op pool, across rows, heads and blocks of queries, and across blocks of keys
+// for a decode step's long window (split-K), whose partial softmaxes are then merged.
+
+#define ORT_API_MANUAL_INIT
+#include <onnxruntime_cxx_api.h>
+#undef ORT_API_MANUAL_INIT
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr const char* kDomain = "kvg.fox";
+constexpr int64_t kQueryBlock = 32;    // queries that share one transposed block of keys
+constexpr int64_t kKeyBlock = 64;      // keys scored at once
+constexpr int64_t kSplitKeys = 2048;   // a decode step's window is split into parts of about this many keys
+constexpr int64_t kMaxSplits = 32;
+constexpr int64_t kSplitQueries = 4;   // steps of at most this many queries a row split their windows
+constexpr double kSerialWork = 1 << 15;  // multiply-adds under which a run stays on the calling thread
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// exp for the softmax, in arithmetic the compiler vectorizes (Cephes' expf: range reduction by ln 2 and a
+// degree-6 polynomial, within 2 ulp); 0 below float's smallest normal exponent, as for -inf
+inline float exp_approx(float x) {
+  const float clamped = std::min(std::max(x, -87.33654f), 88.37626f);
+  const float n = std::floor(clamped * 1.44269504088896341f + 0.5f);
+  const float r = clamped - n * 0.693359375f + n * 2.12194440e-4f;
+  const float r2 = r * r;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r2 + r + 1.0f;
+  const float scale = std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+  return x < -87.33654f ? 0.0f : y * scale;
+}
+
+struct Problem {
+  int64_t batch, seq, heads, kv_heads, dim, past, window, length, mask_rows;
+  const float *query, *key, *value, *log_gates;
+  const bool* allowed;
+  const int64_t* positions;
+  std::vector<int64_t> starts;  // per kv head
+  float *keys, *values, *gates, *out;
+  std::vector<double> sums;     // [B, H, length]: the gates summed from slot 0 through each slot
+  int64_t query_blocks = 1, splits = 1;
+  std::vector<float> partial;   // split-K: per (row, head, query, split) the max, the sum and D accumulators
+  float scale;
+
+  int64_t group() const { return heads / kv_heads; }
+  int64_t start(int64_t head) const { return starts[head / group()]; }
+  int64_t own_window(int64_t head) const { return window - start(head); }
+  const float* keys_of(int64_t row, int64_t kv_head) const { return keys + (row * kv_heads + kv_head) * length * dim; }
+  const float* values_of(int64_t row, int64_t kv_head) const {
+    return values + (row * kv_heads + kv_head) * length * dim;
+  }
+  const bool* allowed_of(int64_t row, int64_t query) const {
+    return allowed + ((mask_rows == 1 ? 0 : row) * seq + query) * window;
+  }
+};
+
+// The running softmax of one query over blocks of keys
+struct Running {
+  float max = kNegInf, sum = 0.0f;
+  float* acc;  // D
+
+  void add(const float* scores, int64_t count, const float* values, int64_t dim, float* weights) {
+    float block_max = kNegInf;
+    for (int64_t j = 0; j < count; ++j) block_max = std::max(block_max, scores[j]);
+    if (block_max == kNegInf) return;
+    const float new_max = std::max(max, block_max);
+    const float correction = max == kNegInf ? 0.0f : exp_approx(max - new_max);
+    float block_sum = 0.0f;
+#pragma omp simd reduction(+ : block_sum)
+    for (int64_t j = 0; j < count; ++j) {
+      weights[j] = exp_approx(scores[j] - new_max);
+      block_sum += weights[j];
+    }
+    sum = sum * correction + block_sum;
+    for (int64_t d = 0; d < dim; ++d) acc[d] *= correction;
+    for (int64_t j = 0; j < count; ++j) {
+      const float w = weights[j];
+      if (w == 0.0f) continue;
+      const float* v = values + j * dim;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) acc[d] += w * v[d];
+    }
+    max = new_max;
+  }
+};
+
+// One task: queries [first, last) of (row, head), keys of part `split` of its window
+void attend(Problem& p, int64_t task) {
+  const int64_t split = task % p.splits;
+  int64_t rest = task / p.splits;
+  const int64_t block = rest % p.query_blocks;
+  rest /= p.query_blocks;
+  const int64_t head = rest % p.heads, row = rest / p.heads;
+  const int64_t first = block * kQueryBlock, last = std::min(p.seq, first + kQueryBlock), count = last - first;
+  const int64_t dim = p.dim, kv_head = head / p.group(), start = p.start(head), own = p.own_window(head);
+  const int64_t part = (own + p.splits - 1) / p.splits;
+  const int64_t key_begin = split * part;
+  int64_t newest = 0;  // the latest own slot any of the block's queries reads, plus one
+  for (int64_t i = first; i < last; ++i) newest = std::max(newest, std::min(own, p.positions[i] - start + 1));
+  const int64_t key_end = std::min(newest, key_begin + part);
+
+  std::vector<float> scratch(count * dim + dim * kKeyBlock + 2 * kKeyBlock + count * dim);
+  float* acc = scratch.data();
+  float* transposed = acc + count * dim;
+  float* scores = transposed + dim * kKeyBlock;
+  float* weights = scores + kKeyBlock;
+  float* queries = weights + kKeyBlock;  // scaled
+  std::vector<Running> running(count);
+  for (int64_t i = 0; i < count; ++i) {
+    running[i].acc = acc + i * dim;
+    const float* q = p.query + ((row * p.seq + first + i) * p.heads + head) * dim;
+    for (int64_t d = 0; d < dim; ++d) queries[i * dim + d] = q[d] * p.scale;
+  }
+  const float* keys = p.keys_of(row, kv_head);
+  const float* values = p.values_of(row, kv_head);
+  const double* sums = p.sums.data() + (row * p.heads + head) * p.length;
+
+  for (int64_t begin = key_begin; begin < key_end; begin += kKeyBlock) {
+    const int64_t width = std::min(kKeyBlock, key_end - begin);
+    const float* block_keys = keys + begin * dim;
+    if (count > 1) {  // scores of the block's queries as a small matrix product over the transposed keys
+      for (int64_t j = 0; j < width; ++j)
+        for (int64_t d = 0; d < dim; ++d) transposed[d * kKeyBlock + j] = block_keys[j * dim + d];
+    }
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t mine = p.positions[first + i] - start;  // the query's own slot
+      const int64_t seen = std::min(width, std::min(own, mine + 1) - begin);
+      if (seen <= 0) continue;
+      const float* q = queries + i * dim;
+      if (count > 1) {
+        std::fill(scores, scores + seen, 0.0f);
+        for (int64_t d = 0; d < dim; ++d) {
+          const float qd = q[d];
+          const float* kt = transposed + d * kKeyBlock;
+#pragma omp simd
+          for (int64_t j = 0; j < seen; ++j) scores[j] += qd * kt[j];
+        }
+      } else {
+        for (int64_t j = 0; j < seen; ++j) {
+          const float* k = block_keys + j * dim;
+          float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < dim; ++d) dot += q[d] * k[d];
+          scores[j] = dot;
+        }
+      }
+      const bool* allowed = p.allowed_of(row, first + i) + start + begin;
+      const double at_query = sums[mine];
+      for (int64_t j = 0; j < seen; ++j)
+        scores[j] = allowed[j] ? scores[j] + static_cast<float>(at_query - sums[begin + j]) : kNegInf;
+      running[i].add(scores, seen, values + begin * dim, dim, weights);
+    }
+  }
+  for (int64_t i = 0; i < count; ++i) {
+    const Running& r = running[i];
+    if (p.splits == 1) {
+      float* out = p.out + ((row * p.seq + first + i) * p.heads + head) * dim;
+      const float inverse = r.sum > 0.0f ? 1.0f / r.sum : 0.0f;
+      for (int64_t d = 0; d < dim; ++d) out[d] = r.acc[d] * inverse;
+    } else {
+      float* slot = p.partial.data() + (((row * p.heads + head) * p.seq + first + i) * p.splits + split) * (dim + 2);
+      slot[0] = r.max;
+      slot[1] = r.sum;
+      std::memcpy(slot + 2, r.acc, dim * sizeof(float));
+    }
+  }
+}
+
+// Split-K: one query's parts, merged by their maxima
+void merge(const Problem& p, int64_t index) {  // index: (row, head, query)
+  const int64_t query = index % p.seq, head = (index / p.seq) % p.heads, row = index / (p.seq * p.heads);
+  const int64_t dim = p.dim;
+  const float* parts = p.partial.data() + index * p.splits * (dim + 2);
+  float max = kNegInf;
+  for (int64_t s = 0; s < p.splits; ++s) max = std::max(max, parts[s * (dim + 2)]);
+  float* out = p.out + ((row * p.seq + query) * p.heads + head) * dim;
+  std::fill(out, out + dim, 0.0f);
+  float sum = 0.0f;
+  for (int64_t s = 0; s < p.splits; ++s) {
+    const float* part = parts + s * (dim + 2);
+    if (part[0] == kNegInf) continue;
+    const float weight = exp_approx(part[0] - max);
+    sum += weight * part[1];
+    for (int64_t d = 0; d < dim; ++d) out[d] += weight * part[2 + d];
+  }
+  const float inverse = sum > 0.0f ? 1.0f / sum : 0.0f;
+  for (int64_t d = 0; d < dim; ++d) out[d] *= inverse;
+}
+
+// The gates of (row, head) summed in double from slot 0, through the latest slot a query reads
+void sum_gates(Problem& p, int64_t index) {
+  const int64_t head = index % p.heads;
+  const float* gates = p.gates + index * p.length;
+  double* sums = p.sums.data() + index * p.length;
+  const int64_t end = std::min(p.own_window(head), p.positions[p.seq - 1] - p.start(head) + 1);
+  double total = 0.0;
+  for (int64_t s = 0; s < end; ++s) sums[s] = total += gates[s];
+}
+
+template <typename Fn>
+void parallel(Ort::KernelContext& context, int64_t total, double work, Fn fn) {
+  if (work < kSerialWork || total == 1) {
+    for (int64_t i = 0; i < total; ++i) fn(i);
+    return;
+  }
+  context.ParallelFor([](void* data, size_t index) { (*static_cast<Fn*>(data))(static_cast<int64_t>(index)); },
+                      static_cast<size_t>(total), 0, &fn);
+}
+
+// Copy a past into its present where they are different buffers: [outer, past, inner] into [outer, length, inner]
+void carry_over(const float* past, float* present, int64_t outer, int64_t past_len, int64_t length, int64_t inner) {
+  if (past == present) return;
+  const int64_t kept = std::min(past_len, length);
+  for (int64_t o = 0; o < outer; ++o) {
+    std::memcpy(present + o * length * inner, past + o * past_len * inner, kept * inner * sizeof(float));
+    std::fill(present + (o * length + kept) * inner, present + (o + 1) * length * inner, 0.0f);
+  }
+}
+
+struct FoxAttentionKernel {
+  const OrtApi& api;
+  int64_t heads, kv_heads;
+
+  FoxAttentionKernel(const OrtApi& api_, int64_t heads_, int64_t kv_heads_)
+      : api(api_), heads(heads_), kv_heads(kv_heads_) {}
+
+  OrtStatusPtr fail(const std::string& message) const {
+    return api.CreateStatus(ORT_INVALID_ARGUMENT, ("FoxAttention: " + message).c_str());
+  }
+
+  OrtStatusPtr ComputeV2(OrtKernelContext* raw) {
+    try {
+      return compute(raw);
+    } catch (const Ort::Exception& error) {
+      return api.CreateStatus(error.GetOrtErrorCode(), error.what());
+    } catch (const std::exception& error) {
+      return api.CreateStatus(ORT_RUNTIME_EXCEPTION, error.what());
+    }
+  }
+
+  OrtStatusPtr compute(OrtKernelContext* raw) {
+    Ort::KernelContext context(raw);
+    auto shape = [&](size_t index) { return context.GetInput(index).GetTensorTypeAndShapeInfo().GetShape(); };
+    const auto query = shape(0), key = shape(1), log_gates = shape(3), past_key = shape(4), past_gate = shape(6),
+               allowed = shape(7), positions = shape(8);
+    if (query.size() != 3 || key.size() != 3 || shape(2) != key || log_gates.size() != 3 || past_key.size() != 4 ||
+        shape(5) != past_key || past_gate.size() != 3 || allowed.size() != 4 || positions.size() != 1)
+      return fail("inputs of the wrong rank (see the op's contract)");
+    Problem p{};
+    p.batch = query[0];
+    p.seq = query[1];
+    p.heads = heads;
+    p.kv_heads = kv_heads;
+    p.dim = past_key[3];
+    p.past = past_key[2];
+    p.window = allowed[3];
+    p.mask_rows = allowed[0];
+    if (p.seq < 1 || query[2] != heads * p.dim || key[0] != p.batch || key[1] != p.seq || key[2] != kv_heads * p.dim ||
+        log_gates != std::vector<int64_t>{p.batch, heads, p.seq} || past_key[0] != p.batch || past_key[1] != kv_heads ||
+        past_gate != std::vector<int64_t>{p.batch, heads, p.past} || (p.mask_rows != 1 && p.mask_rows != p.batch) ||
+        allowed[1] != 1 || allowed[2] != p.seq || positions[0] != p.seq)
+      return fail("input shapes do not agree (see the op's contract)");
+    p.starts.assign(kv_heads, 0);
+    if (context.GetInputCount() > 9) {
+      const auto offsets = context.GetInput(9);
+      if (offsets != nullptr) {
+        if (offsets.GetTensorTypeAndShapeInfo().GetShape() != std::vector<int64_t>{kv_heads})
+          return fail("window_starts must be [kv_num_heads]");
+        std::memcpy(p.starts.data(), offsets.GetTensorData<int64_t>(), kv_heads * sizeof(int64_t));
+      }
+    }
+    const int64_t earliest = *std::min_element(p.starts.begin(), p.starts.end());
+    if (earliest < 0 || *std::max_element(p.starts.begin(), p.starts.end()) >= p.window)
+      return fail("window_starts must lie inside the window");
+    p.length = std::max(p.past, p.window - earliest);
+    p.query = context.GetInput(0).GetTensorData<float>();
+    p.key = context.GetInput(1).GetTensorData<float>();
+    p.value = context.GetInput(2).GetTensorData<float>();
+    p.log_gates = context.GetInput(3).GetTensorData<float>();
+    p.allowed = context.GetInput(7).GetTensorData<bool>();
+    p.positions = context.GetInput(8).GetTensorData<int64_t>();
+    for (int64_t i = 0; i < p.seq; ++i)
+      if (p.positions[i] != p.positions[0] + i || p.positions[i] >= p.window)
+        return fail("cache_position must be consecutive slots inside the window");
+    for (int64_t h = 0; h < kv_heads; ++h)
+      if (p.positions[0] < p.starts[h]) return fail("a new token lies before its head's window start");
+    p.scale = 1.0f / std::sqrt(static_cast<float>(p.dim));
+
+    auto out = context.GetOutput(0, query);
+    auto present_key = context.GetOutput(1, {p.batch, kv_heads, p.length, p.dim});
+    auto present_value = context.GetOutput(2, {p.batch, kv_heads, p.length, p.dim});
+    auto present_gate = context.GetOutput(3, {p.batch, heads, p.length});
+    p.out = out.GetTensorMutableData<float>();
+    p.keys = present_key.GetTensorMutableData<float>();
+    p.values = present_value.GetTensorMutableData<float>();
+    p.gates = present_gate.GetTensorMutableData<float>();
+    carry_over(context.GetInput(4).GetTensorData<float>(), p.keys, p.batch * kv_heads, p.past, p.length, p.dim);
+    carry_over(context.GetInput(5).GetTensorData<float>(), p.values, p.batch * kv_heads, p.past, p.length, p.dim);
+    carry_over(context.GetInput(6).GetTensorData<float>(), p.gates, p.batch * heads, p.past, p.length, 1);
+    write_new(p);
+
+    const int64_t longest = p.window - earliest;
+    p.sums.resize(p.batch * heads * p.length);
+    parallel(context, p.batch * heads, static_cast<double>(p.batch * heads * longest),
+             [&p](int64_t index) { sum_gates(p, index); });
+    p.query_blocks = (p.seq + kQueryBlock - 1) / kQueryBlock;
+    if (p.seq <= kSplitQueries)
+      p.splits = std::clamp<int64_t>((longest + kSplitKeys - 1) / kSplitKeys, 1, kMaxSplits);
+    if (p.splits > 1) p.partial.resize(p.batch * heads * p.seq * p.splits * (p.dim + 2));
+    const double work = static_cast<double>(p.batch * heads) * p.seq * longest * p.dim * 2;
+    parallel(context, p.batch * heads * p.query_blocks * p.splits, work, [&p](int64_t task) { attend(p, task); });
+    if (p.splits > 1)
+      parallel(context, p.batch * heads * p.seq, static_cast<double>(p.batch * heads * p.seq * p.splits * p.dim),
+               [&p](int64_t index) { merge(p, index); });
+    return nullptr;
+  }
+
+  // The new keys and values at each kv head's own slots, the gates at their query heads'
+  void write_new(const Problem& p) const {
+    const int64_t dim = p.dim;
+    for (int64_t b = 0; b < p.batch; ++b)
+      for (int64_t i = 0; i < p.seq; ++i) {
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          const int64_t slot = p.positions[i] - p.starts[h];
+          const int64_t from = ((b * p.seq + i) * kv_heads + h) * dim, to = ((b * kv_heads + h) * p.length + slot) * dim;
+          std::memcpy(p.keys + to, p.key + from, dim * sizeof(float));
+          std::memcpy(p.values + to, p.value + from, dim * sizeof(float));
+        }
+        for (int64_t h = 0; h < heads; ++h)
+          p.gates[(b * heads + h) * p.length + p.positions[i] - p.start(h)] = p.log_gates[(b * heads + h) * p.seq + i];
+      }
+  }
+};
+
+struct FoxAttentionOp : Ort::CustomOpBase<FoxAttentionOp, FoxAttentionKernel, true> {
+  OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
+    try {
+      Ort::ConstKernelInfo attributes(info);
+      const auto heads = attributes.GetAttribute<int64_t>("num_heads");
+      const auto kv_heads = attributes.GetAttribute<int64_t>("kv_num_heads");
+      if (heads < 1 || kv_heads < 1 || heads % kv_heads != 0)
+        return api.CreateStatus(ORT_INVALID_ARGUMENT, "FoxAttention: num_heads must be a multiple of kv_num_heads");
+      *kernel = new FoxAttentionKernel(api, heads, kv_heads);
+      return nullptr;
+    } catch (const Ort::Exception& error) {
+      return api.CreateStatus(error.GetOrtErrorCode(), error.what());
+    }
+  }
+  const char* GetName() const { return "FoxAttention"; }
+  size_t GetInputTypeCount() const { return 10; }
+  ONNXTensorElementDataType GetInputType(size_t index) const {
+    if (index == 7) return ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL;
+    if (index >= 8) return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+    return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t index) const {
+    return index == 9 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+  }
+  size_t GetOutputTypeCount() const { return 4; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+};
+
+}  // namespace
+
+extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
+  Ort::InitApi(api_base->GetApi(ORT_API_VERSION));
+  static FoxAttentionOp op;
+  OrtCustomOpDomain* domain = nullptr;
+  const OrtApi& api = Ort::GetApi();
+  if (OrtStatus* status = api.CreateCustomOpDomain(kDomain, &domain)) return status;
+  if (OrtStatus* status = api.CustomOpDomain_Add(domain, &op)) return status;
+  return api.AddCustomOpDomain(options, domain);
+}

@@ -1,0 +1,154 @@
+"""The fused FoX attention operator's library (exporters/native/fox_attention.cc), built with this machine's C++
+compiler against onnxruntime's C API headers and cached by everything that went into it.
+
+The headers come from, in order: the folder KVG_ORT_HEADERS names, an installed libonnxruntime-dev
+(/usr/include/onnxruntime), or Debian 13's libonnxruntime-dev package, which apt fetches into the cache with a
+sources list, state and cache folders of its own (nothing on the machine changes, nothing is installed) and dpkg
+unpacks there. The headers are API version 21 (onnxruntime 1.21); onnxruntime serves older API versions, so the
+library loads in the onnxruntime this project installs.
+
+`make setup` runs this module, which builds the library or says in one line why it cannot; an export with
+`--attention fused` (or `auto`, on the CPU) builds it when it is missing. Where it cannot be had, exports attend
+through GroupQueryAttention as before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from runtime.custom_ops import DOMAIN, OP_NAME, OP_VERSION, platform_tag
+
+SOURCE = Path(__file__).parent / "native" / "fox_attention.cc"
+LIBRARY_NAME = "libkvg_fox_attention.so"
+HEADER = "onnxruntime_cxx_api.h"
+INSTALLED_HEADERS = Path("/usr/include/onnxruntime")
+DEBIAN = "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian trixie main"
+HEADER_PACKAGE = "libonnxruntime-dev"
+FLAGS = ["-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp-simd", "-fno-math-errno", "-fvisibility=hidden"]
+
+
+class NativeUnavailable(Exception):
+    """The library cannot be built here; the message says why and what a user may do."""
+
+
+def cache_folder() -> Path:
+    return Path(os.environ.get("KVG_NATIVE_CACHE", Path.home() / ".cache" / "kvg-export" / "native"))
+
+
+def _march(tag: str) -> list[str]:
+    return ["-march=x86-64-v3"] if tag.endswith("x86-64-v3") else []
+
+
+def _run(command: list[str], cwd: Path | None = None) -> None:
+    done = subprocess.run(command, cwd=cwd, capture_output=True, text=True)
+    if done.returncode:
+        lines = (done.stderr or done.stdout).strip().splitlines()
+        said = next((line for line in lines if "error" in line.lower()), lines[-1] if lines else "no output")
+        raise NativeUnavailable(f"`{Path(command[0]).name} {command[1]} ...` failed: {said.strip()}")
+
+
+def _fetch_headers(root: Path) -> Path:
+    """Debian 13's libonnxruntime-dev, downloaded by apt with private folders and unpacked under `root`."""
+    if shutil.which("apt-get") is None or shutil.which("dpkg") is None:
+        raise NativeUnavailable(
+            "no onnxruntime C API headers: install libonnxruntime-dev (Debian 13, Ubuntu 25.04) or set "
+            "KVG_ORT_HEADERS to a folder holding onnxruntime_cxx_api.h"
+        )
+    headers = root / "usr" / "include" / "onnxruntime"
+    with tempfile.TemporaryDirectory(dir=root.parent) as scratch:
+        apt = Path(scratch)
+        for folder in ("lists/partial", "cache/archives/partial", "parts", "debs"):
+            (apt / folder).mkdir(parents=True)
+        (apt / "sources.list").write_text(DEBIAN + "\n")
+        options = [f"-oDir::Etc::SourceList={apt / 'sources.list'}", f"-oDir::Etc::SourceParts={apt / 'parts'}",
+                   f"-oDir::State::Lists={apt / 'lists'}", f"-oDir::Cache={apt / 'cache'}", "-oDebug::NoLocking=1",
+                   "-oAPT::Sandbox::User=" + ("_apt" if os.geteuid() == 0 else os.environ.get("USER", "root"))]  # fmt: skip
+        _run(["apt-get", "-q", *options, "update"])
+        _run(["apt-get", "-q", *options, "download", HEADER_PACKAGE], cwd=apt / "debs")
+        package = next((apt / "debs").glob("*.deb"))
+        unpacked = Path(tempfile.mkdtemp(dir=root.parent))
+        _run(["dpkg", "-x", str(package), str(unpacked)])
+        os.replace(unpacked, root)
+    return headers
+
+
+def find_headers(given: Path | None = None) -> Path:
+    """The folder holding onnxruntime_cxx_api.h: `given`, KVG_ORT_HEADERS, the installed package's, or fetched."""
+    given = given or (Path(os.environ["KVG_ORT_HEADERS"]) if os.environ.get("KVG_ORT_HEADERS") else None)
+    if given is not None:
+        if not (given / HEADER).is_file():
+            raise NativeUnavailable(f"{given} holds no {HEADER} (KVG_ORT_HEADERS must name onnxruntime's include folder)")
+        return given
+    if (INSTALLED_HEADERS / HEADER).is_file():
+        return INSTALLED_HEADERS
+    root = cache_folder() / "onnxruntime-headers"
+    headers = root / "usr" / "include" / "onnxruntime"
+    if (headers / HEADER).is_file():
+        return headers
+    root.parent.mkdir(parents=True, exist_ok=True)
+    return _fetch_headers(root)
+
+
+def _compiler() -> str:
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if not compiler:
+        raise NativeUnavailable("no C++ compiler (install g++, or set CXX)")
+    return compiler
+
+
+def build(headers: Path | None = None) -> Path:
+    """The library, built if the cache lacks this source, header, compiler and flags' build; raise NativeUnavailable."""
+    compiler, tag = _compiler(), platform_tag()
+    include = find_headers(headers)
+    command = [compiler, *FLAGS, *_march(tag), f"-I{include}"]
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), (include / "onnxruntime_c_api.h").read_bytes(), version.encode(),
+                 " ".join(command[1:-1]).encode()):  # fmt: skip
+        digest.update(hashlib.sha256(part).digest())
+    library = cache_folder() / f"{tag}-{digest.hexdigest()[:16]}" / LIBRARY_NAME
+    if library.is_file():
+        return library
+    library.parent.mkdir(parents=True, exist_ok=True)
+    partial = library.with_suffix(f".{os.getpid()}.partial")
+    try:
+        _run([*command, str(SOURCE), "-o", str(partial)])
+        os.replace(partial, library)
+    finally:
+        partial.unlink(missing_ok=True)
+    return library
+
+
+def manifest_entry(library: Path) -> dict:
+    """What a fused artifact's manifest says of the library it carries (runtime/custom_ops.py reads it)."""
+    return {"file": library.name, "domain": DOMAIN, "op": OP_NAME, "version": OP_VERSION, "platform": platform_tag()}
+
+
+def available() -> Path | None:
+    """The library, or None where it cannot be built here."""
+    try:
+        return build()
+    except NativeUnavailable:
+        return None
+
+
+def main() -> int:
+    """`python -m exporters.native_library`: build the library, one line either way; the exit is 0 both ways, since
+    exports then fall back to GroupQueryAttention."""
+    try:
+        library = build()
+    except NativeUnavailable as error:
+        print(f"fused attention: not built ({error}); exports attend through GroupQueryAttention (--attention gqa)")
+        return 0
+    print(f"fused attention: {library} ({platform_tag()})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""The fused FoX attention operator as a runtime sees it: which library an artifact names, and whether this machine
+can load it.
+
+A fused artifact (kvg-export --attention fused) carries the compiled library beside model.onnx, and its manifest's
+`custom_ops` names it: the file, the op's domain and version, and the platform it was built for. Any onnxruntime
+user runs the folder by registering that file (`SessionOptions.register_custom_ops_library`); this module does so
+for the runtime, after checking the platform, so that a library that cannot load is a message, not a crash.
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+from pathlib import Path
+
+DOMAIN, OP_NAME, OP_VERSION = "kvg.fox", "FoxAttention", 1
+# x86-64 levels the library may be built for, by the CPU flags each needs beyond the one before
+X86_LEVELS = {"x86-64-v3": {"avx2", "fma", "bmi2", "f16c"}}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((row for row in text.splitlines() if row.startswith(("flags", "Features"))), "")
+    return set(line.partition(":")[2].split())
+
+
+def _base() -> str:
+    return f"{sys.platform}-{platform.machine().lower()}"
+
+
+def platform_tag() -> str:
+    """What a library built here runs on: OS, machine and, on x86-64, the instruction-set level it is built for
+    (x86-64-v3, AVX2 and FMA, where this CPU has them)."""
+    level = next((name for name, flags in X86_LEVELS.items() if flags <= _cpu_flags()), None)
+    return _base() if level is None else f"{_base()}-{level}"
+
+
+def can_run(tag: str) -> bool:
+    """Whether a library built for `tag` runs here: the same OS and machine, and an instruction-set level this CPU
+    has."""
+    if tag == _base():
+        return True
+    level = tag.removeprefix(f"{_base()}-")
+    return level in X86_LEVELS and X86_LEVELS[level] <= _cpu_flags()
+
+
+def register(settings, folder: Path, entry: dict) -> None:
+    """Register the artifact's library with onnxruntime `settings`; raise ValueError naming the fix where it cannot."""
+    library = folder / entry["file"]
+    fix = "re-export the model on this machine (kvg-export ... --force), or export it with --attention gqa"
+    if not library.is_file():
+        raise ValueError(f"{library} is missing: the graph's {entry['domain']} attention op lives there; {fix}")
+    if not can_run(entry["platform"]):
+        raise ValueError(
+            f"{library} was built for {entry['platform']} and this machine is {platform_tag()}; {fix}"
+        )
+    try:
+        settings.register_custom_ops_library(str(library))
+    except Exception as error:  # onnxruntime's own exception types
+        raise ValueError(f"onnxruntime cannot load {library}: {error}; {fix}") from None
