@@ -49,6 +49,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)"
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[export,dev,bench,serve,ray,lm-eval]"
+	$(PY) -m exporters.native_library
 	touch $@
 
 test: setup

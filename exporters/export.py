@@ -26,6 +26,7 @@ from exporters.checkpoint_tokenizer import CheckpointTokenizer, TokenizerError, 
 from exporters.contract import DEFAULT_OPSET, DYNAMIC_MAX_POSITIONS
 from exporters.evaluate import EagerRun, EvalError, Evaluation, Thresholds, evaluate
 from exporters.manifest import MANIFEST_NAME, check_graph_matches
+from exporters.native_library import NativeUnavailable, available, build, manifest_entry
 from exporters.preflight import PreflightError, preflight
 from exporters.progress import Progress
 from exporters.quantization import Quantization, QuantizationError
@@ -39,8 +40,8 @@ from runtime.pruning import check_tolerance
 
 AS_CONFIG = "config"  # --log-pruning-tolerance's default: the checkpoint config's log_pruning_tolerance
 DTYPES = ("fp32", "fp16", "bf16")
-ATTENTION_KINDS = ("auto", "standard", "gqa", "onnx-attention")
-IN_PLACE_KINDS = ("gqa", "onnx-attention")  # attention ops that write keys and values into the bound buffer
+ATTENTION_KINDS = ("auto", "standard", "fused", "gqa", "onnx-attention")
+IN_PLACE_KINDS = ("fused", "gqa", "onnx-attention")  # attention ops that write keys and values into the bound buffer
 OPSETS = range(18, 25)
 ONNX_ATTENTION_OPSET = 24  # the first with TensorScatter and Attention's nonpad_kv_seqlen
 DEFAULT_MAX_CACHE_LEN = 1024
@@ -89,7 +90,8 @@ class ExportOptions:
     # (the tests), which then keeps torch and what libraries hold of the model.
     separate_process: bool = True
     provider: str = "cpu"
-    attention: str = "auto"  # auto, standard or gqa (see check_options)
+    attention: str = "auto"  # auto, standard, fused, gqa or onnx-attention (see check_options)
+    library: Path | None = None  # the fused attention operator's library, for a fused export (set by check_options)
     log_pruning_tolerance: float | str | None = AS_CONFIG  # a number, AS_CONFIG, or None: no pruning by default
     quantization: Quantization | None = None
     quality: QualityOptions = field(default_factory=QualityOptions)
@@ -160,6 +162,7 @@ def check_options(options: ExportOptions) -> ExportOptions:
 def _attention(options: ExportOptions) -> str:
     """How the graph attends, by dtype and the provider it is exported for; see the --attention help.
 
+    The fused operator (exporters/native/fox_attention.cc) runs fp32 on the CPU, where its library can be built.
     GroupQueryAttention (gqa) appends to the cache buffer in place and takes the FoX bias: onnxruntime runs
     it on the CPU in fp32 and fp16 and on CUDA in fp16 and bf16, with no fp32 CUDA kernel. fp32 for CUDA
     attends through the ONNX Attention op over a static buffer that TensorScatter writes in place
@@ -167,8 +170,22 @@ def _attention(options: ExportOptions) -> str:
     attention, dtype, cuda = options.attention, options.dtype, options.provider == "cuda"
     if attention not in ATTENTION_KINDS:
         raise ExportError(f"--attention must be one of {', '.join(ATTENTION_KINDS)}, not {attention!r}")
+    if attention == "fused":
+        if dtype != "fp32" or cuda:
+            raise ExportError(
+                "--attention fused runs fp32 on onnxruntime's CPU provider; use --attention gqa for fp16, or "
+                "leave --attention out for CUDA"
+            )
+        try:
+            options.library = build()
+        except NativeUnavailable as error:
+            raise ExportError(f"--attention fused: {error}; or export with --attention gqa") from None
+        return attention
     if attention == "auto":
-        if dtype != "fp32" or not cuda:
+        if not cuda:
+            options.library = available() if dtype == "fp32" else None  # `make setup` said why in one line if not
+            return "gqa" if options.library is None else "fused"
+        if dtype != "fp32":
             return "gqa"
         return "onnx-attention" if options.cache == "static" else "standard"
     if attention == "gqa" and dtype == "fp32" and cuda:
@@ -193,14 +210,15 @@ def _check_pruning(options: ExportOptions) -> None:
         raise ExportError(f"--log-pruning-tolerance: {error}") from None
     if not held_in_place(options.cache == "static", options.attention):
         raise ExportError(
-            "forget-gate pruning drops slots from a cache held in place: use --cache static or --attention gqa, "
+            "forget-gate pruning drops slots from a cache held in place: use --cache static or --attention fused "
+            "or gqa, "
             "or --log-pruning-tolerance none"
         )
 
 
 def _describe_pruning(pruning: dict | None) -> str:
     if pruning is None:
-        return "none: this cache is not held in place (use --cache static or --attention gqa to prune)"
+        return "none: this cache is not held in place (use --cache static or --attention fused or gqa to prune)"
     bounds = (
         f"score bounds from {pruning['bound']}, {min(map(min, pruning['score_bounds'])):.2f} to "
         f"{max(map(max, pruning['score_bounds'])):.2f}"
@@ -307,6 +325,8 @@ def _float_graph(
     try:
         quiet = ort.SessionOptions()
         quiet.log_severity_level = 3  # the validation's separate past and present make TensorScatter warn it copies
+        if options.library is not None:
+            quiet.register_custom_ops_library(str(options.library))
         session = ort.InferenceSession(str(model_path), quiet, providers=_providers(options.provider))
     except Exception as error:  # onnxruntime raises its own exception types for graphs it cannot run
         raise ExportError(f"onnxruntime cannot run the exported graph (opset {options.opset}): {error}") from None
@@ -341,6 +361,9 @@ def _build(
             shutil.copy2(checkpoint / name, staging / name)
     if tokenizer is not None:  # the runtime's, which a slow tokenizer's files are built into
         tokenizer.bpe().save(str(staging / manifest["files"]["tokenizer"]))
+    if options.library is not None:  # the fused attention operator travels with its graph
+        shutil.copy2(options.library, staging / options.library.name)
+        manifest["custom_ops"] = manifest_entry(options.library)
     config = json.loads((checkpoint / "config.json").read_text())
     if is_fla(config):  # the artifact is the official FoX the checkpoint maps onto, as transformers loads it
         (staging / "config.json").write_text(json.dumps(official_config(config), indent=2) + "\n")

@@ -48,6 +48,7 @@ def lower(
     layers = f"{model.config.num_hidden_layers} layers"
     layout = cache_layout(model.config, static=options.cache == "static")
     in_place = options.attention in IN_PLACE_KINDS
+    form = "fused" if options.attention == "fused" else in_place  # the model's in_place_attention
     pruning = _pruning(options, model)
     offsets = in_place and pruning is not None and pruning["log_pruning_tolerance"] is not None  # each layer's own
     eager = None
@@ -56,7 +57,7 @@ def lower(
                       lambda run: f"eager fp32 on {len(run.windows)} windows of held-out text")  # fmt: skip
     program, example = stage(
         log, "trace",
-        lambda _: export_program(model, layout, options.max_cache_len, options.max_batch, in_place, offsets),
+        lambda _: export_program(model, layout, options.max_cache_len, options.max_batch, form, offsets),
         lambda _: f"torch.export, {options.cache} cache, {options.attention} attention"
         + (", layer windows for forget-gate pruning" if offsets else ""),
         expected=f"torch.export of {layers}",

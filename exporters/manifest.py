@@ -75,11 +75,12 @@ def build_manifest(
     attention: str, source: str, source_sha256: str, exporter_version: str, files: dict[str, str | None],
     window_offsets: bool = False, text: TextRules | None = None, tokenizer_special_ids: dict[str, int] | None = None,
 ) -> dict:  # fmt: skip
-    """`attention`: "standard" (ONNX MatMul and Softmax, any provider) or "gqa" (onnxruntime's CPU
-    GroupQueryAttention, which cannot take a chunk of a prompt after the first for batch > 1). `text`: how the
+    """`attention`: "standard" (ONNX MatMul and Softmax, any provider), "fused" (the fused FoX operator, CPU, whose
+    library the artifact carries: `custom_ops`, added by export.py), "gqa" (onnxruntime's GroupQueryAttention,
+    which cannot take a chunk of a prompt after the first for batch > 1) or "onnx-attention". `text`: how the
     tokenizer's text is escaped and what comes first (runtime/tokenizer.py's TextRules); `tokenizer_special_ids`:
     the special tokens the tokenizer names, which stand in for those the model's config leaves out."""
-    inputs, outputs = graph_io(config, layout, dtype, max_cache_len, folded=window_offsets)
+    inputs, outputs = graph_io(config, layout, dtype, max_cache_len, folded=window_offsets and attention != "fused")
     named = tokenizer_special_ids or {}
     eos = config.eos_token_id if config.eos_token_id is not None else named.get("eos")
     return {

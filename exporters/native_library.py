@@ -66,9 +66,10 @@ def _fetch_headers(root: Path) -> Path:
         for folder in ("lists/partial", "cache/archives/partial", "parts", "debs"):
             (apt / folder).mkdir(parents=True)
         (apt / "sources.list").write_text(DEBIAN + "\n")
+        sandbox = "_apt" if os.geteuid() == 0 else os.environ.get("USER", "root")
         options = [f"-oDir::Etc::SourceList={apt / 'sources.list'}", f"-oDir::Etc::SourceParts={apt / 'parts'}",
                    f"-oDir::State::Lists={apt / 'lists'}", f"-oDir::Cache={apt / 'cache'}", "-oDebug::NoLocking=1",
-                   "-oAPT::Sandbox::User=" + ("_apt" if os.geteuid() == 0 else os.environ.get("USER", "root"))]  # fmt: skip
+                   f"-oAPT::Sandbox::User={sandbox}"]  # fmt: skip
         _run(["apt-get", "-q", *options, "update"])
         _run(["apt-get", "-q", *options, "download", HEADER_PACKAGE], cwd=apt / "debs")
         package = next((apt / "debs").glob("*.deb"))
@@ -83,7 +84,7 @@ def find_headers(given: Path | None = None) -> Path:
     given = given or (Path(os.environ["KVG_ORT_HEADERS"]) if os.environ.get("KVG_ORT_HEADERS") else None)
     if given is not None:
         if not (given / HEADER).is_file():
-            raise NativeUnavailable(f"{given} holds no {HEADER} (KVG_ORT_HEADERS must name onnxruntime's include folder)")
+            raise NativeUnavailable(f"{given} holds no {HEADER} (KVG_ORT_HEADERS names onnxruntime's include folder)")
         return given
     if (INSTALLED_HEADERS / HEADER).is_file():
         return INSTALLED_HEADERS

@@ -75,7 +75,7 @@ def export_program(
     layout: CacheLayout,
     max_cache_len: int | None = None,
     max_batch: int = 256,
-    in_place_attention: bool = False,
+    in_place_attention: bool | str = False,
     window_offsets: bool = False,
 ) -> tuple[ExportedProgram, tuple]:
     """The ExportedProgram of one forward step, and the example inputs it was traced with; `window_offsets`: the
@@ -195,7 +195,8 @@ def lower_to_onnx(
     written_in_place = scatter_in_place(graph)
     if window_offsets:
         default_to_zeros(graph)
-        name_present_axes(graph)
+        if attention != "fused":  # the fused operator reads each head's window without folding heads into rows
+            name_present_axes(graph)
     keep_last_logits(graph)
     unique_names(graph)
     weights_file.save(onnx_program.model, path)

@@ -7,6 +7,8 @@
   com.microsoft GroupQueryAttention (`gqa`), or, for `onnx-attention`, two opset-24 TensorScatter nodes
   that write the new keys and values into the static buffers and one ONNX Attention over them. Either way
   the runtime binds each cache buffer as both past and present, and the op writes it in place.
+- `kvg::fox_attention` (kvg_export/fox/fused_attention.py) becomes the fused operator `kvg.fox FoxAttention`
+  (`fused`; exporters/native/fox_attention.cc), which writes keys, values and gates in place alike.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from onnxscript import opset18 as op
 from onnxscript.values import Op, Opset
 
 import kvg_export.fox.attention  # registers kvg::decay_after
+import kvg_export.fox.fused_attention
 import kvg_export.fox.in_place_attention  # noqa: F401  (registers kvg::group_query_attention)
+from runtime.custom_ops import DOMAIN, OP_NAME, OP_VERSION
 
 
 def lower_softplus(x, beta: float = 1.0, threshold: float = 20.0):
@@ -48,28 +52,23 @@ def lower_decay_after(log_gates):
     return op.Transpose(summed, perm=[*range(1, rank), 0])
 
 
-def _group_query_attention_schema() -> OpSchema:
-    """The part of onnxruntime's contrib schema this exporter uses (onnx itself knows no com.microsoft
-    ops, and torch.onnx builds a node only from a schema): inputs in onnxruntime's order, up to
-    attention_bias."""
-    required, optional = OpSchema.FormalParameterOption.Single, OpSchema.FormalParameterOption.Optional
-    inputs = [("query", "T"), ("key", "T"), ("value", "T"), ("past_key", "T"), ("past_value", "T"),
-              ("seqlens_k", "M"), ("total_sequence_length", "M"), ("cos_cache", "T"), ("sin_cache", "T"),
-              ("position_ids", "P"), ("attention_bias", "T")]  # fmt: skip
+def _attention_schema(
+    name: str, domain: str, version: int, inputs: list[tuple[str, str]], required: int, outputs: list[str],
+    types: dict[str, list[str]],
+) -> OpSchema:  # fmt: skip
+    """A schema for an attention op onnx itself does not know (torch.onnx builds a node only from a schema): its
+    inputs in order, the first `required` of them required, and the heads as attributes."""
+    option = OpSchema.FormalParameterOption
     return OpSchema(
-        "GroupQueryAttention",
-        "com.microsoft",
-        1,
+        name,
+        domain,
+        version,
         inputs=[
-            OpSchema.FormalParameter(name, kind, param_option=optional if index > 6 else required)
-            for index, (name, kind) in enumerate(inputs)
+            OpSchema.FormalParameter(input, kind, param_option=option.Single if index < required else option.Optional)
+            for index, (input, kind) in enumerate(inputs)
         ],
-        outputs=[OpSchema.FormalParameter(name, "T") for name in ("output", "present_key", "present_value")],
-        type_constraints=[
-            ("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], ""),
-            ("M", ["tensor(int32)"], ""),
-            ("P", ["tensor(int64)"], ""),
-        ],
+        outputs=[OpSchema.FormalParameter(output, "T") for output in outputs],
+        type_constraints=[(kind, allowed, "") for kind, allowed in types.items()],
         attributes=[
             OpSchema.Attribute("num_heads", OpSchema.AttrType.INT, ""),
             OpSchema.Attribute("kv_num_heads", OpSchema.AttrType.INT, ""),
@@ -77,7 +76,40 @@ def _group_query_attention_schema() -> OpSchema:
     )
 
 
-GROUP_QUERY_ATTENTION = Op(Opset("com.microsoft", 1), "GroupQueryAttention", _group_query_attention_schema())
+# The part of onnxruntime's contrib schema this exporter uses: inputs in onnxruntime's order, up to attention_bias
+GROUP_QUERY_ATTENTION = Op(
+    Opset("com.microsoft", 1),
+    "GroupQueryAttention",
+    _attention_schema(
+        "GroupQueryAttention", "com.microsoft", 1,
+        [("query", "T"), ("key", "T"), ("value", "T"), ("past_key", "T"), ("past_value", "T"), ("seqlens_k", "M"),
+         ("total_sequence_length", "M"), ("cos_cache", "T"), ("sin_cache", "T"), ("position_ids", "P"),
+         ("attention_bias", "T")], 7, ["output", "present_key", "present_value"],
+        {"T": ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "M": ["tensor(int32)"], "P": ["tensor(int64)"]},
+    ),
+)  # fmt: skip
+FOX_ATTENTION = Op(
+    Opset(DOMAIN, OP_VERSION),
+    OP_NAME,
+    _attention_schema(
+        OP_NAME, DOMAIN, OP_VERSION,
+        [("query", "T"), ("key", "T"), ("value", "T"), ("log_gates", "T"), ("past_key", "T"), ("past_value", "T"),
+         ("past_gate", "T"), ("allowed", "B"), ("cache_position", "P"), ("window_starts", "P")], 9,
+        ["output", "present_key", "present_value", "present_gate"],
+        {"T": ["tensor(float)"], "B": ["tensor(bool)"], "P": ["tensor(int64)"]},
+    ),
+)  # fmt: skip
+
+
+def lower_fox_attention(
+    query, key, value, log_gates, key_cache, value_cache, gate_cache, allowed, cache_position, starts, heads: int,
+    kv_heads: int,
+):  # fmt: skip
+    """kvg::fox_attention as the fused operator, its inputs as they are."""
+    return FOX_ATTENTION(
+        query, key, value, log_gates, key_cache, value_cache, gate_cache, allowed, cache_position, starts,
+        num_heads=heads, kv_num_heads=kv_heads,
+    )  # fmt: skip
 
 
 MINIMUM = float(torch.finfo(torch.float32).min)
@@ -400,5 +432,6 @@ def translations(attention: str) -> dict:
     return {
         torch.ops.aten.softplus.default: lower_softplus,
         torch.ops.kvg.group_query_attention.default: in_place,
+        torch.ops.kvg.fox_attention.default: lower_fox_attention,
         torch.ops.kvg.decay_after.default: lower_decay_after,
     }

@@ -21,7 +21,7 @@ class ExportableFox(nn.Module):
     the mask, not of `past`, so a runtime may pass cache buffers longer than the filled positions.
     """
 
-    def __init__(self, model: FoxForCausalLM, layout: CacheLayout, in_place_attention: bool = False):
+    def __init__(self, model: FoxForCausalLM, layout: CacheLayout, in_place_attention: bool | str = False):
         super().__init__()
         self.model, self.layout, self.in_place_attention = model, layout, in_place_attention
 

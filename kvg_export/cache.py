@@ -94,14 +94,25 @@ class GatedCache:
     def update_gates(self, key_states, value_states, gate_states, layer_idx: int, cache_kwargs: dict | None = None):
         """As `update`, but store only the gates; the keys and values are written by a kernel that then hands
         its buffers to `set_keys_values`. Returns that layer's keys and values before the update, gates after."""
+        self._check_on_device(layer_idx, key_states.shape[0])
+        return self._layer(layer_idx).update_gates(key_states, value_states, gate_states, cache_kwargs)
+
+    def buffers(self, key_states, value_states, gate_states, layer_idx: int, cache_kwargs: dict | None = None):
+        """For a kernel that writes keys, values and gates itself: that layer's buffers before the update, which the
+        kernel hands back updated through `set_keys_values`."""
+        self._check_on_device(layer_idx, key_states.shape[0])
+        return self._layer(layer_idx).buffers(key_states, value_states, gate_states, cache_kwargs)
+
+    def _check_on_device(self, layer_idx: int, batch: int) -> None:
         if self.offloading:
             raise ValueError("a kernel that writes the cache itself needs the cache on its device; turn offloading off")
         if not is_tracing():
-            self._check_batch(layer_idx, key_states.shape[0])
-        return self._layer(layer_idx).update_gates(key_states, value_states, gate_states, cache_kwargs)
+            self._check_batch(layer_idx, batch)
 
-    def set_keys_values(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self._layer(layer_idx).set_keys_values(keys, values)
+    def set_keys_values(
+        self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, gates: torch.Tensor | None = None
+    ) -> None:
+        self._layer(layer_idx).set_keys_values(keys, values, gates)
 
     def update_shift(
         self,

@@ -138,8 +138,16 @@ class GatedLayer(ABC):
         (see `fox/in_place_attention.py`) and hands back the updated buffers through `set_keys_values`.
         Returns the keys and values before the update and the gates after it."""
 
-    def set_keys_values(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    @abstractmethod
+    def buffers(self, key_states, value_states, gate_states, cache_kwargs=None):
+        """For a kernel that writes the new keys, values and gates into the buffers itself (see
+        `fox/fused_attention.py`): check the new entries and allocate on first use, store nothing, and return the
+        buffers, which the kernel hands back updated through `set_keys_values`."""
+
+    def set_keys_values(self, keys: torch.Tensor, values: torch.Tensor, gates: torch.Tensor | None = None) -> None:
         """Hold the buffers such a kernel returned: as long as the gates, batch and heads unchanged."""
+        if gates is not None:
+            self.gates = gates
         if not is_tracing():
             expected = (*self.keys.shape[:2], self.gates.shape[2], self.keys.shape[3])
             if keys.shape != expected or values.shape != expected:
@@ -226,6 +234,10 @@ class DynamicLayer(GatedLayer):
             check_states(self, key_states, value_states, gate_states)
         if self.keys is None:
             self.lazy_initialization(key_states, gate_states)
+
+    def buffers(self, key_states, value_states, gate_states, cache_kwargs=None):
+        self._check_and_allocate(key_states, value_states, gate_states)
+        return self.keys, self.values, self.gates
 
     def update_gates(self, key_states, value_states, gate_states, cache_kwargs=None):
         """The gates are held as such a kernel holds keys and values: a past exactly as long as the filled
@@ -337,6 +349,12 @@ class StaticLayer(GatedLayer):
 
     def _store_gates(self, key_states, value_states, gate_states, cache_kwargs) -> torch.Tensor:
         """Check the new entries, allocate on first use, write the gates; return where the entries go."""
+        cache_position = self._prepare(key_states, value_states, gate_states, cache_kwargs)
+        self.gates.scatter_(2, gate_slots(cache_kwargs, self.keys.device).expand_as(gate_states), gate_states)
+        return cache_position
+
+    def _prepare(self, key_states, value_states, gate_states, cache_kwargs) -> torch.Tensor:
+        """Check the new entries and allocate on first use; return where the entries go."""
         cache_position = (cache_kwargs or {}).get("cache_position")
         if cache_position is None:
             raise ValueError("a static cache layer needs cache_kwargs={'cache_position': ...} to know where to write")
@@ -345,7 +363,6 @@ class StaticLayer(GatedLayer):
             self._check_positions(cache_position, key_states.shape[2])
         if self.keys is None:
             self.lazy_initialization(key_states, gate_states)
-        self.gates.scatter_(2, gate_slots(cache_kwargs, self.keys.device).expand_as(gate_states), gate_states)
         return cache_position.to(self.keys.device)
 
     def update(self, key_states, value_states, gate_states, cache_kwargs=None):
@@ -356,6 +373,10 @@ class StaticLayer(GatedLayer):
 
     def update_gates(self, key_states, value_states, gate_states, cache_kwargs=None):
         self._store_gates(key_states, value_states, gate_states, cache_kwargs)  # the window lies inside the buffer
+        return self.keys, self.values, self.gates
+
+    def buffers(self, key_states, value_states, gate_states, cache_kwargs=None):
+        self._prepare(key_states, value_states, gate_states, cache_kwargs)
         return self.keys, self.values, self.gates
 
     def written(self, cache_position: torch.Tensor) -> None:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import onnxruntime as ort
 
+from runtime import custom_ops
+
 MANIFEST_NAME = "kvg_config.json"
 SUPPORTED_FORMAT = 2
 ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int64)": "int64",
@@ -84,9 +86,10 @@ def _check_graph(session: ort.InferenceSession, manifest: dict, folder: Path) ->
 
 
 def attention_of(manifest: dict) -> str:
-    """How the graph attends: "standard" (ONNX MatMul and Softmax), "gqa" (onnxruntime's GroupQueryAttention,
-    which takes a later chunk of a prompt for one row only) or "onnx-attention" (ONNX Attention over a static
-    buffer that TensorScatter writes). Artifacts made before the field existed are standard."""
+    """How the graph attends: "standard" (ONNX MatMul and Softmax), "fused" (the fused FoX operator, whose library
+    the artifact carries; CPU), "gqa" (onnxruntime's GroupQueryAttention, which takes a later chunk of a prompt for
+    one row only) or "onnx-attention" (ONNX Attention over a static buffer that TensorScatter writes). Artifacts
+    made before the field existed are standard."""
     return manifest.get("attention", "standard")
 
 
@@ -97,6 +100,11 @@ def unrunnable(provider: str, manifest: dict) -> str | None:
         return (
             "this bf16 artifact runs on CUDA only (onnxruntime's CPU provider has no bf16 MatMul); serve it on a "
             "machine with CUDA, or re-export with --dtype fp16"
+        )
+    if provider == "cuda" and attention == "fused":
+        return (
+            "this artifact attends through the fused FoX operator, which runs on the CPU; serve it with --provider "
+            "cpu, or re-export it for CUDA with --provider cuda"
         )
     if provider == "cuda" and attention == "gqa" and dtype == "float32":
         return (
@@ -138,6 +146,11 @@ def open_session(folder: Path, manifest: dict, options: SessionOptions) -> ort.I
             settings.add_session_config_entry("session.optimized_model_external_initializers_file_name", weights)
     if not model_path.is_file():
         raise ArtifactError(f"{model_path} is missing; re-export the model")
+    if manifest.get("custom_ops"):
+        try:
+            custom_ops.register(settings, folder, manifest["custom_ops"])
+        except ValueError as error:
+            raise ArtifactError(str(error)) from None
     providers, cuda_required = _providers(options.provider, manifest)
     if cuda_required and PROVIDERS["cuda"] not in ort.get_available_providers():
         raise ArtifactError(_no_cuda(options.provider, manifest))

@@ -54,9 +54,7 @@ def register(settings, folder: Path, entry: dict) -> None:
     if not library.is_file():
         raise ValueError(f"{library} is missing: the graph's {entry['domain']} attention op lives there; {fix}")
     if not can_run(entry["platform"]):
-        raise ValueError(
-            f"{library} was built for {entry['platform']} and this machine is {platform_tag()}; {fix}"
-        )
+        raise ValueError(f"{library} was built for {entry['platform']} and this machine is {platform_tag()}; {fix}")
     try:
         settings.register_custom_ops_library(str(library))
     except Exception as error:  # onnxruntime's own exception types

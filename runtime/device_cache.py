@@ -31,9 +31,9 @@ def _field(name: str) -> str:
 
 def held_in_place(static: bool, attention: str) -> bool:
     """Whether the runtime holds a cache's keys, values and gates in place, one buffer bound as past and present:
-    a static cache's always, a dynamic one's where GroupQueryAttention appends to it. Only such a cache can move
-    its slots, as forget-gate pruning does."""
-    return static or attention == "gqa"
+    a static cache's always, a dynamic one's where the fused operator or GroupQueryAttention appends to it. Only
+    such a cache can move its slots, as forget-gate pruning does."""
+    return static or attention in ("fused", "gqa")
 
 
 class DeviceCache:

@@ -5,7 +5,6 @@ long window split across threads, and in-place writes into a buffer bound as pas
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
@@ -155,9 +154,11 @@ def test_without_window_starts_every_head_starts_at_the_window(library):
 
 @pytest.mark.parametrize(
     ("change", "message"),
-    [({"cache_position": np.array([5, 7], dtype=np.int64)}, "consecutive"),
-     ({"window_starts": np.array([0, 30], dtype=np.int64)}, "inside the window"),
-     ({"log_gates": np.zeros((1, 2, 3), dtype=np.float32)}, "shapes do not agree")],  # fmt: skip
+    [
+        ({"cache_position": np.array([5, 7], dtype=np.int64)}, "consecutive"),
+        ({"window_starts": np.array([0, 30], dtype=np.int64)}, "inside the window"),
+        ({"log_gates": np.zeros((1, 2, 3), dtype=np.float32)}, "shapes do not agree"),
+    ],
 )
 def test_refuses_inputs_that_break_the_contract(library, change, message):
     feeds = _feeds(np.random.default_rng(3), 1, 2, 2, 2, 8, 12, 12, [0, 0], [0]) | change

@@ -21,6 +21,7 @@ from kvg_export.cache import DynamicCache, GatedCache, StaticCache
 from kvg_export.cache_layers import SHIFT_FIELDS, gate_slots, is_tracing
 from kvg_export.fox.attention import decay_after, forgetting_attention
 from kvg_export.fox.configuration import FoxConfig
+from kvg_export.fox.fused_attention import fox_attention
 from kvg_export.fox.in_place_attention import group_query_attention
 from kvg_export.fox.layers import QK_NORM_EPS, GatedMLP, HeadRMSNorm, RMSNorm, ShiftLinear, rotate
 
@@ -108,12 +109,12 @@ class ForgettingAttention(nn.Module):
         keep: torch.Tensor | None,
         allowed: torch.Tensor,
         cache: GatedCache | None,
-        in_place: bool = False,
+        in_place: bool | str = False,
         window_offsets: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x `[batch, seq, hidden]`; positions `[batch, seq]` (RoPE); keep `[batch, seq]` real tokens;
-        allowed `[batch or 1, 1, seq, window]` the attention pattern; `in_place`, `window_offsets`: see
-        `_attend_in_place`."""
+        allowed `[batch or 1, 1, seq, window]` the attention pattern; `in_place` (True, or "fused"), `window_offsets`:
+        see `_attend_in_place`."""
         batch, seq, _ = x.shape
         query = self.q_proj(x)  # [batch, seq, heads * head_dim]; keys and values likewise with kv_heads
         keys = self._project("k_proj", x, keep, cache)
@@ -125,7 +126,9 @@ class ForgettingAttention(nn.Module):
             log_gates = log_gates * keep[:, None, :].float()
         if in_place:
             starts = None if window_offsets is None else window_offsets[self.layer_idx]
-            out = self._attend_in_place(query, keys, values, log_gates, cache_position, allowed, cache, starts)
+            out = self._attend_in_place(
+                query, keys, values, log_gates, cache_position, allowed, cache, starts, fused=in_place == "fused"
+            )
         else:
             out = self._attend(query, keys, values, log_gates, cache_position, allowed, cache)
         if self.config.use_output_norm:
@@ -158,12 +161,16 @@ class ForgettingAttention(nn.Module):
             keys, values, log_gates = keys[:, :, :window], values[:, :, :window], log_gates[..., :window]
         return forgetting_attention(query, keys, values, log_gates, cache_position, allowed).transpose(1, 2).flatten(2)
 
-    def _attend_in_place(self, query, keys, values, log_gates, cache_position, allowed, cache, starts=None):
+    def _attend_in_place(
+        self, query, keys, values, log_gates, cache_position, allowed, cache, starts=None, fused=False
+    ):  # fmt: skip
         """A step as one `kvg::group_query_attention` op, which the exporter lowers to onnxruntime's
         GroupQueryAttention: it writes the new keys and values into the cache buffer itself and reads only
         the window. `starts` (int64 `[kv_heads]`, or None: all 0): where each kv head's buffer rows begin in the
         window, forget-gate pruning having dropped each head's oldest slots as far as that head allows; the
-        op then reads each head's own slots alone. Takes and returns the `[batch, seq, heads * head_dim]` layout."""
+        op then reads each head's own slots alone. `fused`: as one `kvg::fox_attention` op instead, which also
+        writes the gates and sums them itself (see `fox/fused_attention.py`). Takes and returns the `[batch, seq,
+        heads * head_dim]` layout."""
         if cache is None:
             raise ValueError("in_place_attention needs a cache to write to")
         batch, seq = query.shape[:2]
@@ -172,7 +179,14 @@ class ForgettingAttention(nn.Module):
             first = int(cache_position[0])
             if not torch.equal(cache_position.cpu(), torch.arange(first, first + seq)):
                 raise ValueError("in-place attention writes the new tokens to consecutive cache positions")
-        per_head = (t.unflatten(-1, (self.kv_heads, self.head_dim)).transpose(1, 2) for t in (keys, values))
+        per_head = [t.unflatten(-1, (self.kv_heads, self.head_dim)).transpose(1, 2) for t in (keys, values)]
+        if fused:
+            buffers = cache.buffers(*per_head, log_gates, self.layer_idx, {"cache_position": cache_position})
+            out, *buffers = fox_attention(
+                query, keys, values, log_gates, *buffers, allowed, cache_position, starts, self.heads, self.kv_heads
+            )
+            cache.set_keys_values(self.layer_idx, *buffers)
+            return out
         written = {"cache_position": cache_position, "window": window}
         if starts is not None:
             earliest = starts.min().item()
@@ -314,15 +328,15 @@ class FoxModel(FoxPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         cache_position: torch.LongTensor | None = None,
-        in_place_attention: bool = False,
+        in_place_attention: bool | str = False,
         window_offsets: torch.Tensor | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
         """`in_place_attention`: attend through `kvg::group_query_attention`, the form the exporter lowers to
-        onnxruntime's GroupQueryAttention; the attention window is then the mask's length, as for a static
-        cache, and must end with the new tokens. `window_offsets` (int64 `[layers, kv_heads]`, in-place attention
-        only): the rows of layer i's head h start that many slots into the window (see
-        `ForgettingAttention._attend_in_place`)."""
+        onnxruntime's GroupQueryAttention, or with "fused" through `kvg::fox_attention`, the fused operator's; the
+        attention window is then the mask's length, as for a static cache, and must end with the new tokens.
+        `window_offsets` (int64 `[layers, kv_heads]`, in-place attention only): the rows of layer i's head h start
+        that many slots into the window (see `ForgettingAttention._attend_in_place`)."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         hidden = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
@@ -394,7 +408,7 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
         use_cache: bool | None = None,
         cache_position: torch.LongTensor | None = None,
         logits_to_keep: int = 0,
-        in_place_attention: bool = False,
+        in_place_attention: bool | str = False,
         window_offsets: torch.Tensor | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:

@@ -1,0 +1,85 @@
+"""FoX attention as one op over the gated cache: `kvg::fox_attention`, which the exporter lowers to the fused
+onnxruntime operator `kvg.fox FoxAttention` (exporters/native/fox_attention.cc holds its contract).
+
+It takes the new queries, keys, values and log forget gates with the layer's key, value and gate buffers, writes
+the new entries into the buffers and attends each kv head's own window with the decay summed inside, so the
+graph around it carries no gate scatter, no gate sums and no bias. Here it is written with plain PyTorch, head by
+head, the decay summed in float64 as the operator sums it: the ExportedProgram is checked against eager FoX
+attention (kvg_export/fox/attention.py), an independent computation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+@torch.library.custom_op("kvg::fox_attention", mutates_args=())
+def fox_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    log_gates: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    gate_cache: torch.Tensor,
+    allowed: torch.Tensor,
+    cache_position: torch.Tensor,
+    starts: torch.Tensor | None,
+    heads: int,
+    kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """query `[batch, seq, heads*head_dim]`; key, value `[batch, seq, kv_heads*head_dim]`; log_gates `[batch, heads,
+    seq]` float32 (0 at padding); the caches `[batch, kv_heads, past, head_dim]` and `[batch, heads, past]`;
+    allowed `[batch or 1, 1, seq, window]`, which window slots each query may attend (the op masks the slots after
+    its own); cache_position `[seq]`, the new tokens' consecutive window slots; starts `[kv_heads]` or None (all
+    0): kv head h's buffer rows begin `starts[h]` slots into the window, so its new entries go to slots
+    `cache_position - starts[h]` and it attends its own slots only.
+
+    Returns the attention output `[batch, seq, heads*head_dim]` and the caches, `max(past, window - min(starts))`
+    long, the past's slots kept and the rest zero but for the new entries."""
+    batch, seq, _ = query.shape
+    head_dim, past, window = key_cache.shape[-1], key_cache.shape[2], allowed.shape[-1]
+    begins = [0] * kv_heads if starts is None else starts.tolist()
+    length = max(past, window - min(begins))
+    group = heads // kv_heads
+    caches = []
+    for cache in (key_cache, value_cache, gate_cache):
+        grown = cache.new_zeros(*cache.shape[:2], length, *cache.shape[3:])
+        grown[:, :, : min(past, length)] = cache[:, :, :length]
+        caches.append(grown)
+    keys, values, gates = caches
+    new_keys = key.view(batch, seq, kv_heads, head_dim).transpose(1, 2)
+    new_values = value.view(batch, seq, kv_heads, head_dim).transpose(1, 2)
+    out = query.new_empty(batch, seq, heads, head_dim)
+    queries = query.view(batch, seq, heads, head_dim)
+    for head, begin in enumerate(begins):
+        own = cache_position - begin  # the new tokens' own slots
+        keys[:, head, own], values[:, head, own] = new_keys[:, head], new_values[:, head]
+        query_heads = slice(head * group, (head + 1) * group)
+        gates[:, query_heads, own] = log_gates[:, query_heads]
+        width = window - begin
+        sums = gates[:, query_heads, :width].double().cumsum(-1)  # [batch, group, width]
+        decay = sums.index_select(-1, own).unsqueeze(-1) - sums.unsqueeze(-2)  # c_i - c_j [batch, group, seq, width]
+        slots = torch.arange(width, device=query.device)
+        visible = allowed[:, :, :, begin:] & (slots <= own.unsqueeze(-1))  # [batch or 1, 1, seq, width]
+        scores = queries[:, :, query_heads].transpose(1, 2).float() @ keys[:, head, :width].float().mT.unsqueeze(1)
+        scores = scores * head_dim**-0.5 + decay.float()
+        scores = scores.masked_fill(~visible, float("-inf"))
+        weights = torch.softmax(scores, dim=-1)
+        out[:, :, query_heads] = (weights @ values[:, head, :width].float().unsqueeze(1)).transpose(1, 2).to(out.dtype)
+    return out.reshape(batch, seq, heads * head_dim), keys, values, gates
+
+
+@fox_attention.register_fake
+def _(query, key, value, log_gates, key_cache, value_cache, gate_cache, allowed, cache_position, starts, heads,
+      kv_heads):  # fmt: skip
+    batch, kv_heads_, past, head_dim = key_cache.shape
+    window = allowed.shape[-1]
+    # A static buffer's length is a number no window exceeds; a dynamic past's is symbolic, and the window may be longer
+    length = past if isinstance(past, int) else torch.sym_max(past, window)
+    return (
+        torch.empty_like(query),
+        key_cache.new_empty(batch, kv_heads_, length, head_dim),
+        value_cache.new_empty(batch, kv_heads_, length, head_dim),
+        gate_cache.new_empty(batch, gate_cache.shape[1], length),
+    )
