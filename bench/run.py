@@ -26,18 +26,22 @@ ARTIFACTS = HERE / ".artifacts"
 RESULTS = HERE / "results"
 MAIN_STATIC_LENGTH = 512
 # Runtime systems: the artifact each runs, as (cache, max_cache_len, attention, quantization). "runtime-dynamic"
-# and "runtime-static" are what fp32 exports give by default (GroupQueryAttention); "-standard" the portable
-# graph; "-int8" and "-int4" the default export quantized (`--quantize int8|int4`); "-int4-sym" with symmetric
+# and "runtime-static" are what fp32 exports give by default on the CPU (the fused FoX operator); "-gqa" the same
+# through onnxruntime's GroupQueryAttention, as before the operator and where it cannot be built; "-standard" the
+# portable graph; "-int8" and "-int4" the default export quantized (`--quantize int8|int4`); "-int4-sym" with symmetric
 # weights, onnxruntime-genai's own int4 recipe (its builder writes MatMulNBits without zero points).
 RUNTIME_ARTIFACTS = {
-    "runtime-dynamic": ("dynamic", None, "gqa", None),
+    "runtime-dynamic": ("dynamic", None, "fused", None),
+    "runtime-dynamic-gqa": ("dynamic", None, "gqa", None),
     "runtime-dynamic-standard": ("dynamic", None, "standard", None),
-    "runtime-static": ("static", MAIN_STATIC_LENGTH, "gqa", None),
+    "runtime-static": ("static", MAIN_STATIC_LENGTH, "fused", None),
+    "runtime-static-gqa": ("static", MAIN_STATIC_LENGTH, "gqa", None),
     "runtime-static-standard": ("static", MAIN_STATIC_LENGTH, "standard", None),
-    "runtime-dynamic-int8": ("dynamic", None, "gqa", "int8"),
-    "runtime-dynamic-int4": ("dynamic", None, "gqa", "int4"),
-    "runtime-dynamic-int4-sym": ("dynamic", None, "gqa", "int4-sym"),
-    "runtime-dynamic-int4-hqq": ("dynamic", None, "gqa", "int4-hqq"),  # float zero points: another kernel path
+    "runtime-dynamic-int8": ("dynamic", None, "fused", "int8"),
+    "runtime-dynamic-int4": ("dynamic", None, "fused", "int4"),
+    "runtime-dynamic-int4-sym": ("dynamic", None, "fused", "int4-sym"),
+    "runtime-dynamic-int4-sym-gqa": ("dynamic", None, "gqa", "int4-sym"),
+    "runtime-dynamic-int4-hqq": ("dynamic", None, "fused", "int4-hqq"),  # float zero points: another kernel path
 }
 FP32_RUNTIME = "runtime-dynamic"  # what the quantized systems are compared with, round by round
 # The peers on a LLaMA of the same size (bench/peers.py), at batch 1: what each system is compared with is
@@ -46,8 +50,9 @@ PEER_SYSTEMS = ("genai-fp32", "genai-int4", "optimum-fp32")
 SYSTEMS = ("eager-dynamic", "eager-static", *RUNTIME_ARTIFACTS, *PEER_SYSTEMS, "read-floor")
 WORKER_KINDS = ("runtime", "genai", "optimum")  # a system named <kind>-... runs that kind of worker
 SWEEP_FILLS = (64, 128, 200, 256, 512, 1024, 2000)
-SWEEP_ARTIFACTS = (("dynamic", None, "gqa"), ("dynamic", None, "standard"),
-                   *(("static", n, "gqa") for n in (256, 1024, 2048)), ("static", 2048, "standard"))  # fmt: skip
+SWEEP_ARTIFACTS = (("dynamic", None, "fused"), ("dynamic", None, "gqa"), ("dynamic", None, "standard"),
+                   *(("static", n, "fused") for n in (256, 1024, 2048)), ("static", 2048, "gqa"),
+                   ("static", 2048, "standard"))  # fmt: skip
 SWEEP_STEPS = 16
 QUIET_S = 0.03  # a worker that gains no CPU time for this long (3 clock ticks) has stopped spinning
 SETTLE_LIMIT_S = 2.0
@@ -194,11 +199,12 @@ def summary(runs: list[dict]) -> dict:
 def compare(model: str, batches: list[int], args, threads: int) -> list[dict]:
     import peers
 
+    chosen = {*args.systems, "eager-dynamic", FP32_RUNTIME} if args.systems else set(SYSTEMS)  # the baselines too
+    systems = [system for system in SYSTEMS if system in chosen and (args.peers or system not in PEER_SYSTEMS)]
     targets = {"eager-dynamic": model, "eager-static": model, "read-floor": model}
-    targets |= {system: artifact(model, *made) for system, made in RUNTIME_ARTIFACTS.items()}
-    systems = [system for system in SYSTEMS if args.peers or system not in PEER_SYSTEMS]
+    targets |= {system: artifact(model, *made) for system, made in RUNTIME_ARTIFACTS.items() if system in systems}
     pythons = {system: sys.executable for system in systems}
-    if args.peers:
+    if args.peers and any(system in PEER_SYSTEMS for system in systems):
         targets |= {f"genai-{p}": str(peers.genai_model(model, p, threads)) for p in peers.GENAI_PRECISIONS}
         targets["optimum-fp32"] = str(peers.optimum_model(model, threads))
         pythons |= dict.fromkeys(("genai-fp32", "genai-int4"), str(peers.genai_python()))
@@ -285,6 +291,10 @@ def main(argv: list[str] | None = None) -> int:
         default=["fox-tiny", "fox-mini", "fox-py", "fox-pro-py", "fox-small", "fox-base"],
         help="presets (fox-pro-760m too, opt-in: minutes to export)",
     )
+    parser.add_argument(
+        "--systems", nargs="+", choices=SYSTEMS, default=[],
+        help="run only these (and eager-dynamic and runtime-dynamic, the baselines); default: every system",
+    )  # fmt: skip
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)

@@ -52,8 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         device = generator.artifact.device.upper()
         why = ""
         if args.provider == "auto" and device == "CPU":
-            gqa = unrunnable("cuda", generator.artifact.manifest) is not None
-            why = " (its fp32 GroupQueryAttention runs on the CPU provider)" if gqa else " (CUDA is not usable here)"
+            manifest = generator.artifact.manifest
+            kernel = "fused FoX attention" if manifest.get("attention") == "fused" else "GroupQueryAttention"
+            cpu_only = unrunnable("cuda", manifest) is not None
+            why = f" (its fp32 {kernel} runs on the CPU provider)" if cpu_only else " (CUDA is not usable here)"
         artifact = generator.artifact
         print(
             f"kvg-generate: {artifact.folder} on {device}{why}, {artifact.weights}, {describe(generator.pruning)}",

@@ -390,10 +390,14 @@ def chunk_size(artifact: Artifact, rows: int, buffer: int, most: int, window: in
     over the whole cache buffer (`buffer` slots), and the bias with its masked copy, over the slots a run attends
     (`window`: the buffer where the caller cannot bound it, or where the graph pads the mask to the buffer, as for
     ONNX Attention). A prompt into an empty cache of many more slots thus takes longer chunks than one that
-    fills it."""
+    fills it. The fused operator keeps no such terms (it scores a block of keys at a time): a run holds the
+    attention pattern alone, a byte per query and slot attended."""
     if window is None or artifact.attention == "onnx-attention":
         window = buffer
-    query_bytes = 4 * rows * artifact.manifest["model"]["num_heads"] * (buffer + 2 * min(window, buffer))
+    if artifact.attention == "fused":
+        query_bytes = rows * min(window, buffer)
+    else:
+        query_bytes = 4 * rows * artifact.manifest["model"]["num_heads"] * (buffer + 2 * min(window, buffer))
     return max(1, min(most, PREFILL_WORKING_SET // query_bytes))
 
 

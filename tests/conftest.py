@@ -8,8 +8,11 @@ import torch
 from filelock import FileLock
 
 from exporters.export import ExportOptions, check_options, export_artifact
+from exporters.native_library import available
 
 STATIC_LENGTH = 96  # room for a 16-token prompt and 64 new tokens, and for the export's own validation
+# What `auto` picks for fp32 on the CPU: the fused operator where its library builds here, else GroupQueryAttention
+CPU_FP32_ATTENTION = "fused" if available() else "gqa"
 
 
 def pytest_configure(config):

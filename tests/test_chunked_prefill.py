@@ -7,6 +7,7 @@ prompt is prefilled; these tests cross several chunk boundaries with short promp
 import numpy as np
 import pytest
 import torch
+from conftest import CPU_FP32_ATTENTION
 
 import kvg_export.fox.modeling as modeling
 import kvg_export.onnx_model as onnx_model
@@ -37,6 +38,8 @@ def assert_float32_close(got, want, err_msg: str = "") -> None:
 
 KINDS = [("dynamic", "gqa"), ("dynamic", "standard"), ("static", "gqa"), ("static", "standard"),
          ("static", "onnx-attention")]  # fmt: skip
+KINDS += [("dynamic", "fused"), ("static", "fused")] if CPU_FP32_ATTENTION == "fused" else []
+MODEL_KINDS = KINDS[:3] + KINDS[5:]  # what OnnxFoxForCausalLM runs apart: dynamic graphs, and in-place static ones
 
 
 def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,7 +110,7 @@ def test_eager_forward_with_a_cache_runs_a_long_input_in_chunks_as_one(monkeypat
         assert_float32_close(chunked, whole)
 
 
-@pytest.mark.parametrize(("cache", "attention"), KINDS[:3], ids=["-".join(kind) for kind in KINDS[:3]])
+@pytest.mark.parametrize(("cache", "attention"), MODEL_KINDS, ids=["-".join(kind) for kind in MODEL_KINDS])
 def test_the_transformers_model_over_an_artifact_runs_a_long_input_in_chunks_as_one(
     exported, monkeypatch, cache, attention
 ):
@@ -134,16 +137,18 @@ def test_the_transformers_model_over_an_artifact_runs_a_long_input_in_chunks_as_
 
 
 @pytest.mark.parametrize("buffer", [1024, 16_640, 65_536])
-def test_a_prefill_runs_attention_terms_stay_within_the_working_set_however_long_the_cache(exported, buffer):
-    """Chunks shrink as the cache grows, so a run's float32 terms stay bounded: GroupQueryAttention's scores
-    `[rows, heads, chunk, buffer]`, and the bias and its masked copy over the slots the run attends."""
-    artifact = Generator.open(exported("fox-pro-tiny", "static")[0].path, CPU).artifact
-    assert artifact.attention == "gqa"
+@pytest.mark.parametrize("attention", sorted({"gqa", CPU_FP32_ATTENTION}))
+def test_a_prefill_runs_attention_terms_stay_within_the_working_set_however_long_the_cache(exported, buffer, attention):
+    """Chunks shrink as the cache grows, so a run's terms stay bounded: GroupQueryAttention's float32 scores
+    `[rows, heads, chunk, buffer]`, and the bias and its masked copy over the slots the run attends; the fused
+    operator's pattern `[rows, chunk, window]`, a byte each."""
+    artifact = Generator.open(exported("fox-pro-tiny", "static", attention=attention)[0].path, CPU).artifact
+    assert artifact.attention == attention
     heads = artifact.manifest["model"]["num_heads"]
     for rows in (1, 8):
         for window in (buffer, buffer // 4):  # a prompt as long as the buffer, or into an empty one 4x as long
             chunk = chunk_size(artifact, rows, buffer, most=256, window=window)
-            terms = 4 * rows * heads * (buffer + 2 * window)  # bytes per token of the chunk
+            terms = rows * window if attention == "fused" else 4 * rows * heads * (buffer + 2 * window)  # per token
             assert 1 <= chunk <= 256
             assert chunk == 256 or terms * chunk <= PREFILL_WORKING_SET < terms * (chunk + 1)
         assert chunk_size(artifact, rows, buffer, most=256) == chunk_size(artifact, rows, buffer, 256, window=buffer)

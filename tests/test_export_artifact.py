@@ -8,7 +8,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from conftest import STATIC_LENGTH
+from conftest import CPU_FP32_ATTENTION, STATIC_LENGTH
 
 from exporters import references, validate, weights_file
 from exporters.cli import main
@@ -16,6 +16,7 @@ from exporters.contract import cache_layout
 from exporters.export import ExportError, ExportOptions, check_options, export_artifact
 from exporters.manifest import MANIFEST_NAME
 from exporters.onnx_export import export_program
+from runtime.custom_ops import session_options
 from kvg_export.presets import load_model
 
 CASES = [
@@ -47,7 +48,7 @@ def test_the_artifact_holds_graph_manifest_and_model_files(artifact):
     assert manifest["cache"]["kind"] == cache and manifest["dtype"] == {"fp32": "float32", "fp16": "float16"}[dtype]
     assert manifest["cache"]["max_cache_len"] == (STATIC_LENGTH if cache == "static" else None)
     assert manifest["validation"]["passed"] and manifest["special_tokens"]["eos"] == [2]
-    assert manifest["attention"] == "gqa"
+    assert manifest["attention"] == (CPU_FP32_ATTENTION if dtype == "fp32" else "gqa")
     assert not [p for p in result.path.parent.iterdir() if p.name.startswith(".")]  # no staging left behind
 
 
@@ -56,7 +57,8 @@ def test_onnxruntime_on_the_artifact_matches_eager_prefill(artifact):
     preset, cache, dtype, result, _ = artifact
     model = load_model(preset, dtype={"fp32": torch.float32, "fp16": torch.float16}[dtype])
     manifest = json.loads((result.path / MANIFEST_NAME).read_text())
-    session = ort.InferenceSession(str(result.path / "model.onnx"), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(str(result.path / "model.onnx"), session_options(result.path),
+                                   providers=["CPUExecutionProvider"])  # fmt: skip
     ids = torch.randint(3, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(4))
     feed = {"input_ids": ids.numpy(), "attention_mask": np.ones((1, 6), dtype=np.int64)}
     if cache == "static":
@@ -98,13 +100,14 @@ class WrongWithLongerBuffers:
         return outputs
 
 
-def test_a_gqa_dynamic_export_is_validated_with_buffers_longer_than_the_filled_positions(exported):
-    """The runtime runs a gqa dynamic graph with longer cache buffers; validation must run it so too."""
-    path = exported("fox-tiny", "dynamic")[0].path
+@pytest.mark.parametrize("attention", sorted({"gqa", CPU_FP32_ATTENTION}))
+def test_an_in_place_dynamic_export_is_validated_with_buffers_longer_than_the_filled_positions(exported, attention):
+    """The runtime runs a fused or gqa dynamic graph with longer cache buffers; validation must run it so too."""
+    path = exported("fox-tiny", "dynamic", attention=attention)[0].path
     model = load_model("fox-tiny")
     layout = cache_layout(model.config, static=False)
-    program, _ = export_program(model, layout, in_place_attention=True)
-    session = ort.InferenceSession(str(path / "model.onnx"), providers=["CPUExecutionProvider"])
+    program, _ = export_program(model, layout, in_place_attention=attention if attention == "fused" else True)
+    session = ort.InferenceSession(str(path / "model.onnx"), session_options(path), providers=["CPUExecutionProvider"])
     longer, exact = (references.record(model, layout, program, None, longer_buffers=flag) for flag in (True, False))
     assert validate.validate_onnx(longer, session).passed
     wrong = WrongWithLongerBuffers(session)
@@ -137,14 +140,14 @@ def test_bad_input_is_refused_with_a_message_and_nothing_written(tmp_path, capsy
 @pytest.mark.parametrize(
     ("dtype", "provider", "cache", "attention"),
     [
-        ("fp32", "cpu", "dynamic", "gqa"), ("fp32", "cpu", "static", "gqa"),
+        ("fp32", "cpu", "dynamic", CPU_FP32_ATTENTION), ("fp32", "cpu", "static", CPU_FP32_ATTENTION),
         ("fp16", "cpu", "dynamic", "gqa"), ("fp16", "cuda", "static", "gqa"), ("bf16", "cuda", "dynamic", "gqa"),
         ("fp32", "cuda", "static", "onnx-attention"), ("fp32", "cuda", "dynamic", "standard"),
     ],
 )  # fmt: skip
 def test_auto_attention_follows_the_dtype_and_the_provider(tmp_path, dtype, provider, cache, attention):
-    """GroupQueryAttention where onnxruntime has a kernel for the dtype (CPU: fp32, fp16; CUDA: fp16, bf16);
-    fp32 for CUDA writes a static buffer with TensorScatter, at the opset that has it."""
+    """The fused operator for fp32 on the CPU where its library builds; GroupQueryAttention where onnxruntime has a
+    kernel for the dtype (CPU: fp16, and fp32 without the library; CUDA: fp16, bf16); fp32 for CUDA writes a static buffer with TensorScatter, at the opset that has it."""
     options = ExportOptions("fox-tiny", tmp_path / "art", cache, dtype, provider=provider)
     chosen = check_options(options)
     assert (chosen.attention, chosen.opset) == (attention, 24 if attention == "onnx-attention" else 20)
@@ -204,7 +207,7 @@ def test_the_weights_are_memory_mapped_by_a_session(exported):
     large = [place for place in places if int(place.get("length", 0)) > 1 << 20]
     assert large and all(place["location"] == "model.onnx.data" for place in large)
     assert all(int(place["offset"]) % weights_file.ALIGNMENT == 0 for place in large)
-    session = ort.InferenceSession(str(path / "model.onnx"), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(str(path / "model.onnx"), session_options(path), providers=["CPUExecutionProvider"])
     with open("/proc/self/maps") as maps:
         assert any(line.rstrip().endswith(str(path / "model.onnx.data")) for line in maps)
     del session
@@ -230,7 +233,7 @@ def test_the_scaled_fp32_tolerance_still_fails_a_planted_error(exported):
     model = load_model("fox-py")
     layout = cache_layout(model.config, static=False)
     program, _ = export_program(model, layout, in_place_attention=True)
-    session = ort.InferenceSession(str(path / "model.onnx"), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(str(path / "model.onnx"), session_options(path), providers=["CPUExecutionProvider"])
     recorded = references.record(model, layout, program, None, longer_buffers=True)
     report = validate.validate_onnx(recorded, session)
     assert report.passed and max(step.onnx_logits for step in report.steps) < validate.TOLERANCES["float32"]
@@ -252,7 +255,7 @@ def test_a_pruned_export_is_validated_with_its_heads_apart(tmp_path):
     step, an unmasked step and a prompt's chunk. The validation runs each against eager, so an error planted in
     those branches alone (the folded attention's scale, 1% off) fails it at the first step with the heads apart,
     while every step with the heads together still passes."""
-    options = ExportOptions("fox-gqa-tiny", tmp_path / "pruned", "dynamic", log_pruning_tolerance=-10.0)
+    options = ExportOptions("fox-gqa-tiny", tmp_path / "pruned", "dynamic", attention="gqa", log_pruning_tolerance=-10.0)
     result = export_artifact(options, log=lambda line: None)
     apart = ["masked 1", "masked 2", "masked 3", "unmasked 1", "chunk 1", "unmasked 2"]
     assert result.report.passed and [step.step for step in result.report.steps][1 + validate.DECODE_STEPS :] == apart

@@ -116,7 +116,7 @@ def test_a_mask_that_is_not_float32s_lowest_is_left_alone():
 
 
 def test_an_exported_gqa_graph_runs_each_layers_gates_in_the_lean_form(exported):
-    result, _ = exported("fox-tiny", "dynamic")
+    result, _ = exported("fox-tiny", "dynamic", attention="gqa")
     graph = onnx.load(str(result.path / "model.onnx"), load_external_data=False).graph
     producers = {output: node for node in graph.node for output in node.output}
     layers = sum(1 for node in graph.node if node.op_type == "GroupQueryAttention")

@@ -16,6 +16,7 @@ from kvg_export import DynamicCache
 from kvg_export.cache_layers import DynamicLayer
 from kvg_export.presets import load_model
 from runtime.artifact import SessionOptions
+from runtime.custom_ops import session_options
 from runtime.generator import GenerationConfig, Generator
 
 CPU = SessionOptions(provider="cpu")
@@ -90,7 +91,8 @@ def test_a_decode_step_over_65k_cached_positions_of_strong_gates_stays_finite_an
     for index, tensors in enumerate(layers):
         for field, tensor in zip(("key", "value", "gate"), tensors, strict=True):
             feeds[f"past_key_values.{index}.{field}"] = tensor.numpy()
-    session = ort.InferenceSession(str(artifact / "model.onnx"), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(str(artifact / "model.onnx"), session_options(artifact),
+                                   providers=["CPUExecutionProvider"])  # fmt: skip
     onnx = session.run(["logits"], feeds)[0]
     cache = DynamicCache()
     cache.layers = [DynamicLayer.from_tensors(*tensors, None, None) for tensors in layers]

@@ -10,6 +10,7 @@ import threading
 
 import pytest
 import torch
+from conftest import CPU_FP32_ATTENTION
 
 from exporters.validate import TOLERANCES
 from kvg_export.presets import load_model
@@ -292,10 +293,18 @@ def test_asking_for_cuda_where_there_is_none_is_an_error(exported, capsys):
     assert "CUDA is not available" in capsys.readouterr().err
 
 
-def test_an_fp32_gqa_artifact_is_refused_on_cuda_with_the_fix(static_artifact, capsys):
-    assert main([str(static_artifact), "--ids", "5,6", "--provider", "cuda"]) == 2
+@pytest.mark.parametrize(
+    ("attention", "why"),
+    [("gqa", "GroupQueryAttention, which onnxruntime runs on CUDA in fp16 and bf16 only"),
+     ("fused", "the fused FoX operator, which runs on the CPU")],
+)  # fmt: skip
+def test_an_fp32_cpu_artifact_is_refused_on_cuda_with_the_fix(exported, capsys, attention, why):
+    if attention == "fused" and CPU_FP32_ATTENTION != "fused":
+        pytest.skip("the fused operator's library cannot be built here")
+    artifact = exported("fox-pro-tiny", "static", attention=attention)[0].path
+    assert main([str(artifact), "--ids", "5,6", "--provider", "cuda"]) == 2
     err = capsys.readouterr().err
-    assert "GroupQueryAttention, which onnxruntime runs on CUDA in fp16 and bf16 only" in err
+    assert why in err
     assert "re-export it for CUDA with --provider cuda" in err
     assert "cannot load" not in err  # the artifact is fine; the provider is the problem
 

@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import CPU_FP32_ATTENTION
 
 from exporters.lowering import TORCH_DTYPES
 from exporters.references import eager_generate
@@ -48,11 +49,12 @@ def test_runtime_on_cuda_generates_what_eager_generates(exported, preset, dtype,
     ("preset", "cache", "attention"),
     [("fox-tiny", "static", "standard"), ("fox-pro-tiny", "static", "standard"),
      ("fox-pro-tiny", "dynamic", "standard"), ("fox-tiny", "static", "onnx-attention"),
-     ("fox-pro-tiny", "static", "onnx-attention")],
+     ("fox-pro-tiny", "static", "onnx-attention"), ("fox-tiny", "dynamic", "gqa"), ("fox-pro-tiny", "static", "gqa"),
+     ("fox-gqa-tiny", "dynamic", "gqa"), ("fox-pro-py", "static", "gqa")],
 )  # fmt: skip
 def test_the_other_attention_kinds_generate_what_eager_generates(exported, preset, cache, attention, prompt_kind):
-    """fp32 exports attend through GroupQueryAttention by default on the CPU; the portable path, and the graph
-    made for fp32 on CUDA, must hold on the CPU provider too."""
+    """fp32 exports attend through the fused operator by default on the CPU; GroupQueryAttention (where the operator
+    cannot be built), the portable path, and the graph made for fp32 on CUDA must hold on the CPU provider too."""
     check_parity(exported, preset, cache, prompt_kind, "cpu", attention=attention)
 
 
@@ -73,7 +75,8 @@ def check_parity(exported, preset, cache, prompt_kind, provider, attention="auto
     result, _ = exported(preset, cache, dtype, attention=attention, provider=provider)
     manifest = json.loads((result.path / "kvg_config.json").read_text())
     if provider == "cpu":  # what auto picks for CUDA is tested in test_export_artifact
-        assert manifest["attention"] == ("gqa" if attention == "auto" else attention)
+        default = CPU_FP32_ATTENTION if dtype == "fp32" else "gqa"
+        assert manifest["attention"] == (default if attention == "auto" else attention)
     model = load_model(preset, dtype=TORCH_DTYPES[dtype])
     prompts = random_prompts(PROMPTS[prompt_kind], model.config.vocab_size, seed=len(preset))
     want_tokens, want_logits = eager_generate(model, prompts, new_tokens)
