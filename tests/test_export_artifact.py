@@ -16,8 +16,8 @@ from exporters.contract import cache_layout
 from exporters.export import ExportError, ExportOptions, check_options, export_artifact
 from exporters.manifest import MANIFEST_NAME
 from exporters.onnx_export import export_program
-from runtime.custom_ops import session_options
 from kvg_export.presets import load_model
+from runtime.custom_ops import session_options
 
 CASES = [
     (p, c, "fp32") for p in ("fox-tiny", "fox-pro-tiny", "fox-gqa-tiny", "fox-small") for c in ("dynamic", "static")
@@ -146,8 +146,9 @@ def test_bad_input_is_refused_with_a_message_and_nothing_written(tmp_path, capsy
     ],
 )  # fmt: skip
 def test_auto_attention_follows_the_dtype_and_the_provider(tmp_path, dtype, provider, cache, attention):
-    """The fused operator for fp32 on the CPU where its library builds; GroupQueryAttention where onnxruntime has a
-    kernel for the dtype (CPU: fp16, and fp32 without the library; CUDA: fp16, bf16); fp32 for CUDA writes a static buffer with TensorScatter, at the opset that has it."""
+    """The fused operator for fp32 on the CPU where its library builds; GroupQueryAttention where onnxruntime
+    has a kernel for the dtype (CPU: fp16, and fp32 without the library; CUDA: fp16, bf16); fp32 for CUDA writes
+    a static buffer with TensorScatter, at the opset that has it."""
     options = ExportOptions("fox-tiny", tmp_path / "art", cache, dtype, provider=provider)
     chosen = check_options(options)
     assert (chosen.attention, chosen.opset) == (attention, 24 if attention == "onnx-attention" else 20)
@@ -255,7 +256,9 @@ def test_a_pruned_export_is_validated_with_its_heads_apart(tmp_path):
     step, an unmasked step and a prompt's chunk. The validation runs each against eager, so an error planted in
     those branches alone (the folded attention's scale, 1% off) fails it at the first step with the heads apart,
     while every step with the heads together still passes."""
-    options = ExportOptions("fox-gqa-tiny", tmp_path / "pruned", "dynamic", attention="gqa", log_pruning_tolerance=-10.0)
+    options = ExportOptions(
+        "fox-gqa-tiny", tmp_path / "pruned", "dynamic", attention="gqa", log_pruning_tolerance=-10.0
+    )
     result = export_artifact(options, log=lambda line: None)
     apart = ["masked 1", "masked 2", "masked 3", "unmasked 1", "chunk 1", "unmasked 2"]
     assert result.report.passed and [step.step for step in result.report.steps][1 + validate.DECODE_STEPS :] == apart
