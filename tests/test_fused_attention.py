@@ -108,6 +108,7 @@ CASES = {
     "chunk, heads apart": (1, 70, 2, 2, 32, 100, 100, [12, 3], [0]),
     "long window split across threads": (1, 1, 2, 1, 16, 5000, 4800, [40], [0]),
     "two-token step, long window": (2, 2, 2, 2, 8, 3000, 3000, [0, 100], [10, 0]),
+    "a row whose window starts late": (2, 1, 2, 2, 8, 4500, 4500, [0, 30], [4400, 0]),
 }
 
 

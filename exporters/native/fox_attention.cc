@@ -131,10 +131,17 @@ void attend(Problem& p, int64_t task) {
   const int64_t head = rest % p.heads, row = rest / p.heads;
   const int64_t first = block * kQueryBlock, last = std::min(p.seq, first + kQueryBlock), count = last - first;
   const int64_t dim = p.dim, kv_head = head / p.group(), start = p.start(head), own = p.own_window(head);
-  const int64_t part = (own + p.splits - 1) / p.splits;
-  const int64_t key_begin = split * part;
-  int64_t newest = 0;  // the latest own slot any of the block's queries reads, plus one
-  for (int64_t i = first; i < last; ++i) newest = std::max(newest, std::min(own, p.positions[i] - start + 1));
+  // The block's keys: from the first slot any of its queries may attend (a row's padding and the slots before its
+  // prompt are skipped, so a row reads its own window however long the others' are) to the latest it reads
+  int64_t oldest = own, newest = 0;
+  for (int64_t i = first; i < last; ++i) {
+    const int64_t end = std::min(own, p.positions[i] - start + 1);
+    const bool* allowed = p.allowed_of(row, i) + start;
+    oldest = std::min(oldest, static_cast<int64_t>(std::find(allowed, allowed + end, true) - allowed));
+    newest = std::max(newest, end);
+  }
+  const int64_t part = (std::max<int64_t>(newest - oldest, 0) + p.splits - 1) / p.splits;
+  const int64_t key_begin = oldest + split * part;
   const int64_t key_end = std::min(newest, key_begin + part);
 
   std::vector<float> scratch(count * dim + dim * kKeyBlock + 2 * kKeyBlock + count * dim);
@@ -225,14 +232,20 @@ void merge(const Problem& p, int64_t index) {  // index: (row, head, query)
   for (int64_t d = 0; d < dim; ++d) out[d] *= inverse;
 }
 
-// The gates of (row, head) summed in double from slot 0, through the latest slot a query reads
+// The gates of (row, head) summed in double, from the first slot a query of the row may attend (only differences
+// of the sums are used) through the latest slot a query reads
 void sum_gates(Problem& p, int64_t index) {
-  const int64_t head = index % p.heads;
+  const int64_t head = index % p.heads, row = index / p.heads, start = p.start(head);
   const float* gates = p.gates + index * p.length;
   double* sums = p.sums.data() + index * p.length;
-  const int64_t end = std::min(p.own_window(head), p.positions[p.seq - 1] - p.start(head) + 1);
+  const int64_t end = std::min(p.own_window(head), p.positions[p.seq - 1] - start + 1);
+  int64_t first = end;
+  for (int64_t i = 0; i < p.seq && first > 0; ++i) {
+    const bool* allowed = p.allowed_of(row, i) + start;
+    first = std::min(first, static_cast<int64_t>(std::find(allowed, allowed + first, true) - allowed));
+  }
   double total = 0.0;
-  for (int64_t s = 0; s < end; ++s) sums[s] = total += gates[s];
+  for (int64_t s = first; s < end; ++s) sums[s] = total += gates[s];
 }
 
 template <typename Fn>
