@@ -77,11 +77,12 @@ def naive(feeds: dict, heads: int, kv_heads: int) -> list[np.ndarray]:
 
 
 def _feeds(rng, batch, seq, heads, kv_heads, dim, past, window, starts, padding, position=None) -> dict:
-    """Random inputs: the new tokens end the window (or start at `position`), rows left-padded by `padding`."""
+    """Random inputs: the new tokens end the window (or start at `position`), rows left-padded by `padding`: a
+    number of slots, or a (begin, end) span of slots the row holds none of (a gap: other rows' slots)."""
     first = window - seq if position is None else position
     mask = np.ones((batch, window), dtype=bool)
     for row, pad in enumerate(padding):
-        mask[row, :pad] = False
+        mask[row, slice(*pad) if isinstance(pad, tuple) else slice(0, pad)] = False
     allowed = np.repeat(mask[:, None, None, :], seq, axis=2)
     for i in range(seq):
         allowed[:, 0, i, first + i] = True  # a query may always attend its own slot
@@ -109,6 +110,7 @@ CASES = {
     "long window split across threads": (1, 1, 2, 1, 16, 5000, 4800, [40], [0]),
     "two-token step, long window": (2, 2, 2, 2, 8, 3000, 3000, [0, 100], [10, 0]),
     "a row whose window starts late": (2, 1, 2, 2, 8, 4500, 4500, [0, 30], [4400, 0]),
+    "a gap in a row's window": (2, 2, 2, 1, 8, 600, 600, [5], [(70, 530), 0]),
 }
 
 

@@ -160,8 +160,17 @@ void attend(Problem& p, int64_t task) {
   const float* values = p.values_of(row, kv_head);
   const double* sums = p.sums.data() + (row * p.heads + head) * p.length;
 
+  std::vector<int64_t> seen_by(count);  // how many of a block's keys each query reads (0: none it may attend)
   for (int64_t begin = key_begin; begin < key_end; begin += kKeyBlock) {
     const int64_t width = std::min(kKeyBlock, key_end - begin);
+    bool any = false;  // a block no query may attend (a gap in a row's window: other rows' slots) is skipped
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t seen = std::min(width, std::min(own, p.positions[first + i] - start + 1) - begin);
+      const bool* allowed = p.allowed_of(row, first + i) + start + begin;
+      seen_by[i] = seen > 0 && std::find(allowed, allowed + seen, true) != allowed + seen ? seen : 0;
+      any = any || seen_by[i] > 0;
+    }
+    if (!any) continue;
     const float* block_keys = keys + begin * dim;
     if (count > 1) {  // scores of the block's queries as a small matrix product over the transposed keys
       for (int64_t j = 0; j < width; ++j)
@@ -169,8 +178,8 @@ void attend(Problem& p, int64_t task) {
     }
     for (int64_t i = 0; i < count; ++i) {
       const int64_t mine = p.positions[first + i] - start;  // the query's own slot
-      const int64_t seen = std::min(width, std::min(own, mine + 1) - begin);
-      if (seen <= 0) continue;
+      const int64_t seen = seen_by[i];
+      if (seen == 0) continue;
       const float* q = queries + i * dim;
       if (count > 1) {
         std::fill(scores, scores + seen, 0.0f);
