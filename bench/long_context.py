@@ -60,17 +60,20 @@ def fits(prompt: int, new_tokens: int, limit: int | None) -> bool:
     return limit is None or prompt + new_tokens <= limit
 
 
-def targets(model: str, context: int, peers: bool, threads: int, prune: float | None) -> dict[str, tuple[str, str]]:
+def targets(
+    model: str, context: int, peers: bool, threads: int, prune: float | None, attention: str
+) -> dict[str, tuple[str, str]]:  # fmt: skip
     """Each system's folder and the interpreter its worker runs in; made once, then reused. The runtime's
-    artifacts keep every key, and with `prune` (a log pruning tolerance) also drop what it allows."""
+    artifacts attend as `attention` says and keep every key, and with `prune` (a log pruning tolerance) also drop
+    what it allows."""
     python = sys.executable
     made = {
-        "runtime-static": (artifact(model, "static", context, "gqa"), python),
-        "runtime-dynamic": (artifact(model, "dynamic", None, "gqa"), python),
+        "runtime-static": (artifact(model, "static", context, attention), python),
+        "runtime-dynamic": (artifact(model, "dynamic", None, attention), python),
     }
     if prune is not None:
-        made[PRUNED[0]] = (artifact(model, "static", context, "gqa", prune=prune), python)
-        made[PRUNED[1]] = (artifact(model, "dynamic", None, "gqa", prune=prune), python)
+        made[PRUNED[0]] = (artifact(model, "static", context, attention, prune=prune), python)
+        made[PRUNED[1]] = (artifact(model, "dynamic", None, attention, prune=prune), python)
     if peers:
         import peers as peer_models
 
@@ -101,7 +104,7 @@ def measure(model: str, args: argparse.Namespace, threads: int, folder: Path) ->
     the prompt's token ids are saved for the workers)."""
     context = max(args.prompts) + args.new_tokens
     text = held_out_ids(model, max(args.prompts), folder) if args.prompt_ids == "text" else None
-    made = targets(model, context, args.peers, threads, args.prune)
+    made = targets(model, context, args.peers, threads, args.prune, args.attention)
     limits = {system: capacity(Path(folder)) for system, (folder, _) in made.items()}
     workers = {system: Worker(system, folder, threads, python) for system, (folder, python) in made.items()}
     lost: dict[str, int] = {}  # system -> its worker's exit status
@@ -253,6 +256,10 @@ def main(argv: list[str] | None = None) -> int:
         help="the prompts' tokens: held-out text (realistic forget gates) or random ids",
     )  # fmt: skip
     parser.add_argument("--no-peers", dest="peers", action="store_false", help="leave out onnxruntime-genai")
+    parser.add_argument(
+        "--attention", choices=["fused", "gqa"], default="fused",
+        help="how the runtime's artifacts attend (fused: the CPU default; gqa: as before the fused operator)",
+    )  # fmt: skip
     parser.add_argument(
         "--prune", type=parse_tolerance, default=-10.0, metavar="X|none",
         help="the log pruning tolerance of the runtime's pruned systems (none: leave them out)",

@@ -93,22 +93,23 @@ FOX_ATTENTION = Op(
     OP_NAME,
     _attention_schema(
         OP_NAME, DOMAIN, OP_VERSION,
-        [("query", "T"), ("key", "T"), ("value", "T"), ("log_gates", "T"), ("past_key", "T"), ("past_value", "T"),
-         ("past_gate", "T"), ("allowed", "B"), ("cache_position", "P"), ("window_starts", "P")], 9,
+        [("query", "T"), ("key", "T"), ("value", "T"), ("gate_logits", "T"), ("gate_bias", "T"), ("past_key", "T"),
+         ("past_value", "T"), ("past_gate", "T"), ("attention_mask", "P"), ("cache_position", "P"),
+         ("window_starts", "P")], 10,
         ["output", "present_key", "present_value", "present_gate"],
-        {"T": ["tensor(float)"], "B": ["tensor(bool)"], "P": ["tensor(int64)"]},
+        {"T": ["tensor(float)"], "P": ["tensor(int64)"]},
     ),
 )  # fmt: skip
 
 
 def lower_fox_attention(
-    query, key, value, log_gates, key_cache, value_cache, gate_cache, allowed, cache_position, starts, heads: int,
-    kv_heads: int,
+    query, key, value, gate_logits, gate_bias, key_cache, value_cache, gate_cache, attention_mask, cache_position,
+    starts, heads: int, kv_heads: int,
 ):  # fmt: skip
     """kvg::fox_attention as the fused operator, its inputs as they are."""
     return FOX_ATTENTION(
-        query, key, value, log_gates, key_cache, value_cache, gate_cache, allowed, cache_position, starts,
-        num_heads=heads, kv_num_heads=kv_heads,
+        query, key, value, gate_logits, gate_bias, key_cache, value_cache, gate_cache, attention_mask, cache_position,
+        starts, num_heads=heads, kv_num_heads=kv_heads,
     )  # fmt: skip
 
 

@@ -4,7 +4,9 @@
 // place where the runtime binds one buffer as past and present), then every new query attends its head's own
 // window with the decay c_i - c_j added to its scaled scores:
 //
-//   logit_ij = q_i . k_j / sqrt(d) + sum_{l in (j, i]} g_l,   j <= i and allowed,   o_i = softmax_j(logit_ij) v
+//   g_i = -softplus(-(z_i + b))   (0 for a padding token)
+//   logit_ij = q_i . k_j / sqrt(d) + sum_{l in (j, i]} g_l,   j <= i, j a real token or i itself,
+//   o_i = softmax_j(logit_ij) v
 //
 // The sums are taken in double from the window's start, so a 6,000-token prompt in one run is as precise as a
 // chunked one. Each kv head h reads its buffer rows from slot 0, which is the window's slot window_starts[h]
@@ -12,12 +14,12 @@
 //
 // Inputs (B rows, S new tokens, H query heads, K kv heads, D head_dim, L buffer slots, W window slots):
 //   0 query [B, S, H*D] float   1 key [B, S, K*D] float   2 value [B, S, K*D] float
-//   3 log_gates [B, H, S] float (0 at padding)
-//   4 past_key [B, K, L, D]   5 past_value [B, K, L, D]   6 past_gate [B, H, L] float
-//   7 allowed [B or 1, 1, S, W] bool: query i may attend window slot j (keys after the query's own slot are
-//     masked by the op itself)
-//   8 cache_position [S] int64: the window slots of the new tokens, consecutive
-//   9 window_starts [K] int64, optional (absent: all 0)
+//   3 gate_logits [B, S, H] float: the forget gate's pre-activation z, less its bias
+//   4 gate_bias [H] float, optional (absent: 0; +inf: no forget gate)
+//   5 past_key [B, K, L, D]   6 past_value [B, K, L, D]   7 past_gate [B, H, L] float (log forget gates)
+//   8 attention_mask [B or 1, W] int64: which window slots hold real tokens (0: padding, or another row's slot)
+//   9 cache_position [S] int64: the window slots of the new tokens, consecutive
+//   10 window_starts [K] int64, optional (absent: all 0)
 // Attributes: num_heads (H), kv_num_heads (K).
 // Outputs: 0 output [B, S, H*D]; 1 present_key, 2 present_value [B, K, P, D]; 3 present_gate [B, H, P], where
 //   P = max(L, W - min(window_starts)). A present bound to its past's buffer is written in place; otherwise the
@@ -69,9 +71,10 @@ inline float exp_approx(float x) {
 }
 
 struct Problem {
-  int64_t batch, seq, heads, kv_heads, dim, past, window, length, mask_rows;
-  const float *query, *key, *value, *log_gates;
-  const bool* allowed;
+  int64_t batch, seq, heads, kv_heads, dim, past, window, length;
+  const float *query, *key, *value, *gate_logits;
+  std::vector<float> gate_bias;  // per head
+  std::vector<char> real;        // [B, W]: the slots that hold real tokens
   const int64_t* positions;
   std::vector<int64_t> starts;  // per kv head
   float *keys, *values, *gates, *out;
@@ -87,8 +90,13 @@ struct Problem {
   const float* values_of(int64_t row, int64_t kv_head) const {
     return values + (row * kv_heads + kv_head) * length * dim;
   }
-  const bool* allowed_of(int64_t row, int64_t query) const {
-    return allowed + ((mask_rows == 1 ? 0 : row) * seq + query) * window;
+  const char* real_of(int64_t row) const { return real.data() + row * window; }
+  // The first of own slots [begin, end) that query i of `row` may attend (a real token's, or its own), else end
+  int64_t first_seen(int64_t row, int64_t i, int64_t start, int64_t begin, int64_t end) const {
+    const char* slots = real_of(row) + start;
+    const int64_t found = std::find(slots + begin, slots + end, 1) - slots;
+    const int64_t mine = positions[i] - start;
+    return mine >= begin && mine < found ? mine : found;
   }
 };
 
@@ -136,8 +144,7 @@ void attend(Problem& p, int64_t task) {
   int64_t oldest = own, newest = 0;
   for (int64_t i = first; i < last; ++i) {
     const int64_t end = std::min(own, p.positions[i] - start + 1);
-    const bool* allowed = p.allowed_of(row, i) + start;
-    oldest = std::min(oldest, static_cast<int64_t>(std::find(allowed, allowed + end, true) - allowed));
+    oldest = std::min(oldest, p.first_seen(row, i, start, 0, end));
     newest = std::max(newest, end);
   }
   const int64_t part = (std::max<int64_t>(newest - oldest, 0) + p.splits - 1) / p.splits;
@@ -166,8 +173,7 @@ void attend(Problem& p, int64_t task) {
     bool any = false;  // a block no query may attend (a gap in a row's window: other rows' slots) is skipped
     for (int64_t i = 0; i < count; ++i) {
       const int64_t seen = std::min(width, std::min(own, p.positions[first + i] - start + 1) - begin);
-      const bool* allowed = p.allowed_of(row, first + i) + start + begin;
-      seen_by[i] = seen > 0 && std::find(allowed, allowed + seen, true) != allowed + seen ? seen : 0;
+      seen_by[i] = seen > 0 && p.first_seen(row, first + i, start, begin, begin + seen) < begin + seen ? seen : 0;
       any = any || seen_by[i] > 0;
     }
     if (!any) continue;
@@ -198,10 +204,12 @@ void attend(Problem& p, int64_t task) {
           scores[j] = dot;
         }
       }
-      const bool* allowed = p.allowed_of(row, first + i) + start + begin;
+      const char* real = p.real_of(row) + start + begin;
       const double at_query = sums[mine];
-      for (int64_t j = 0; j < seen; ++j)
-        scores[j] = allowed[j] ? scores[j] + static_cast<float>(at_query - sums[begin + j]) : kNegInf;
+      for (int64_t j = 0; j < seen; ++j) {
+        const bool seeable = real[j] || begin + j == mine;  // a padding query attends its own slot alone
+        scores[j] = seeable ? scores[j] + static_cast<float>(at_query - sums[begin + j]) : kNegInf;
+      }
       running[i].add(scores, seen, values + begin * dim, dim, weights);
     }
   }
@@ -249,10 +257,7 @@ void sum_gates(Problem& p, int64_t index) {
   double* sums = p.sums.data() + index * p.length;
   const int64_t end = std::min(p.own_window(head), p.positions[p.seq - 1] - start + 1);
   int64_t first = end;
-  for (int64_t i = 0; i < p.seq && first > 0; ++i) {
-    const bool* allowed = p.allowed_of(row, i) + start;
-    first = std::min(first, static_cast<int64_t>(std::find(allowed, allowed + first, true) - allowed));
-  }
+  for (int64_t i = 0; i < p.seq && first > 0; ++i) first = std::min(first, p.first_seen(row, i, start, 0, first));
   double total = 0.0;
   for (int64_t s = first; s < end; ++s) sums[s] = total += gates[s];
 }
@@ -301,10 +306,11 @@ struct FoxAttentionKernel {
   OrtStatusPtr compute(OrtKernelContext* raw) {
     Ort::KernelContext context(raw);
     auto shape = [&](size_t index) { return context.GetInput(index).GetTensorTypeAndShapeInfo().GetShape(); };
-    const auto query = shape(0), key = shape(1), log_gates = shape(3), past_key = shape(4), past_gate = shape(6),
-               allowed = shape(7), positions = shape(8);
-    if (query.size() != 3 || key.size() != 3 || shape(2) != key || log_gates.size() != 3 || past_key.size() != 4 ||
-        shape(5) != past_key || past_gate.size() != 3 || allowed.size() != 4 || positions.size() != 1)
+    auto given = [&](size_t index) { return context.GetInputCount() > index && context.GetInput(index) != nullptr; };
+    const auto query = shape(0), key = shape(1), logits = shape(3), past_key = shape(5), past_gate = shape(7),
+               mask = shape(8), positions = shape(9);
+    if (query.size() != 3 || key.size() != 3 || shape(2) != key || logits.size() != 3 || past_key.size() != 4 ||
+        shape(6) != past_key || past_gate.size() != 3 || mask.size() != 2 || positions.size() != 1)
       return fail("inputs of the wrong rank (see the op's contract)");
     Problem p{};
     p.batch = query[0];
@@ -313,21 +319,18 @@ struct FoxAttentionKernel {
     p.kv_heads = kv_heads;
     p.dim = past_key[3];
     p.past = past_key[2];
-    p.window = allowed[3];
-    p.mask_rows = allowed[0];
+    p.window = mask[1];
     if (p.seq < 1 || query[2] != heads * p.dim || key[0] != p.batch || key[1] != p.seq || key[2] != kv_heads * p.dim ||
-        log_gates != std::vector<int64_t>{p.batch, heads, p.seq} || past_key[0] != p.batch || past_key[1] != kv_heads ||
-        past_gate != std::vector<int64_t>{p.batch, heads, p.past} || (p.mask_rows != 1 && p.mask_rows != p.batch) ||
-        allowed[1] != 1 || allowed[2] != p.seq || positions[0] != p.seq)
+        logits != std::vector<int64_t>{p.batch, p.seq, heads} || past_key[0] != p.batch || past_key[1] != kv_heads ||
+        past_gate != std::vector<int64_t>{p.batch, heads, p.past} || (mask[0] != 1 && mask[0] != p.batch) ||
+        positions[0] != p.seq || (given(4) && shape(4) != std::vector<int64_t>{heads}))
       return fail("input shapes do not agree (see the op's contract)");
+    p.gate_bias.assign(heads, 0.0f);
+    if (given(4)) std::memcpy(p.gate_bias.data(), context.GetInput(4).GetTensorData<float>(), heads * sizeof(float));
     p.starts.assign(kv_heads, 0);
-    if (context.GetInputCount() > 9) {
-      const auto offsets = context.GetInput(9);
-      if (offsets != nullptr) {
-        if (offsets.GetTensorTypeAndShapeInfo().GetShape() != std::vector<int64_t>{kv_heads})
-          return fail("window_starts must be [kv_num_heads]");
-        std::memcpy(p.starts.data(), offsets.GetTensorData<int64_t>(), kv_heads * sizeof(int64_t));
-      }
+    if (given(10)) {
+      if (shape(10) != std::vector<int64_t>{kv_heads}) return fail("window_starts must be [kv_num_heads]");
+      std::memcpy(p.starts.data(), context.GetInput(10).GetTensorData<int64_t>(), kv_heads * sizeof(int64_t));
     }
     const int64_t earliest = *std::min_element(p.starts.begin(), p.starts.end());
     if (earliest < 0 || *std::max_element(p.starts.begin(), p.starts.end()) >= p.window)
@@ -336,9 +339,12 @@ struct FoxAttentionKernel {
     p.query = context.GetInput(0).GetTensorData<float>();
     p.key = context.GetInput(1).GetTensorData<float>();
     p.value = context.GetInput(2).GetTensorData<float>();
-    p.log_gates = context.GetInput(3).GetTensorData<float>();
-    p.allowed = context.GetInput(7).GetTensorData<bool>();
-    p.positions = context.GetInput(8).GetTensorData<int64_t>();
+    p.gate_logits = context.GetInput(3).GetTensorData<float>();
+    const int64_t* flags = context.GetInput(8).GetTensorData<int64_t>();
+    p.real.resize(p.batch * p.window);
+    for (int64_t b = 0; b < p.batch; ++b)
+      for (int64_t s = 0; s < p.window; ++s) p.real[b * p.window + s] = flags[(mask[0] == 1 ? 0 : b) * p.window + s] != 0;
+    p.positions = context.GetInput(9).GetTensorData<int64_t>();
     for (int64_t i = 0; i < p.seq; ++i)
       if (p.positions[i] != p.positions[0] + i || p.positions[i] >= p.window)
         return fail("cache_position must be consecutive slots inside the window");
@@ -354,9 +360,9 @@ struct FoxAttentionKernel {
     p.keys = present_key.GetTensorMutableData<float>();
     p.values = present_value.GetTensorMutableData<float>();
     p.gates = present_gate.GetTensorMutableData<float>();
-    carry_over(context.GetInput(4).GetTensorData<float>(), p.keys, p.batch * kv_heads, p.past, p.length, p.dim);
-    carry_over(context.GetInput(5).GetTensorData<float>(), p.values, p.batch * kv_heads, p.past, p.length, p.dim);
-    carry_over(context.GetInput(6).GetTensorData<float>(), p.gates, p.batch * heads, p.past, p.length, 1);
+    carry_over(context.GetInput(5).GetTensorData<float>(), p.keys, p.batch * kv_heads, p.past, p.length, p.dim);
+    carry_over(context.GetInput(6).GetTensorData<float>(), p.values, p.batch * kv_heads, p.past, p.length, p.dim);
+    carry_over(context.GetInput(7).GetTensorData<float>(), p.gates, p.batch * heads, p.past, p.length, 1);
     write_new(p);
 
     const int64_t longest = p.window - earliest;
@@ -375,7 +381,8 @@ struct FoxAttentionKernel {
     return nullptr;
   }
 
-  // The new keys and values at each kv head's own slots, the gates at their query heads'
+  // The new keys and values at each kv head's own slots, the log forget gates at their query heads' (0 for a
+  // padding token): -softplus(-y) = min(y, 0) - log1p(exp(-|y|)), exact over float's range, 0 at y = +inf
   void write_new(const Problem& p) const {
     const int64_t dim = p.dim;
     for (int64_t b = 0; b < p.batch; ++b)
@@ -386,8 +393,12 @@ struct FoxAttentionKernel {
           std::memcpy(p.keys + to, p.key + from, dim * sizeof(float));
           std::memcpy(p.values + to, p.value + from, dim * sizeof(float));
         }
-        for (int64_t h = 0; h < heads; ++h)
-          p.gates[(b * heads + h) * p.length + p.positions[i] - p.start(h)] = p.log_gates[(b * heads + h) * p.seq + i];
+        const bool real = p.real_of(b)[p.positions[i]];
+        for (int64_t h = 0; h < heads; ++h) {
+          const float y = p.gate_logits[(b * p.seq + i) * heads + h] + p.gate_bias[h];
+          const float gate = std::min(y, 0.0f) - std::log1p(std::exp(-std::fabs(y)));
+          p.gates[(b * heads + h) * p.length + p.positions[i] - p.start(h)] = real ? gate : 0.0f;
+        }
       }
   }
 };
@@ -407,14 +418,12 @@ struct FoxAttentionOp : Ort::CustomOpBase<FoxAttentionOp, FoxAttentionKernel, tr
     }
   }
   const char* GetName() const { return "FoxAttention"; }
-  size_t GetInputTypeCount() const { return 10; }
+  size_t GetInputTypeCount() const { return 11; }
   ONNXTensorElementDataType GetInputType(size_t index) const {
-    if (index == 7) return ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL;
-    if (index >= 8) return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
-    return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    return index >= 8 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t index) const {
-    return index == 9 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+    return index == 4 || index == 10 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
   }
   size_t GetOutputTypeCount() const { return 4; }
   ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }

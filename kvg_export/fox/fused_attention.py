@@ -1,9 +1,10 @@
 """FoX attention as one op over the gated cache: `kvg::fox_attention`, which the exporter lowers to the fused
 onnxruntime operator `kvg.fox FoxAttention` (exporters/native/fox_attention.cc holds its contract).
 
-It takes the new queries, keys, values and log forget gates with the layer's key, value and gate buffers, writes
-the new entries into the buffers and attends each kv head's own window with the decay summed inside, so the
-graph around it carries no gate scatter, no gate sums and no bias. Here it is written with plain PyTorch, head by
+It takes the new queries, keys, values and forget-gate logits with the layer's key, value and gate buffers and the
+window's attention mask, writes the new entries into the buffers and attends each kv head's own window with the
+decay summed inside, so the graph around it carries no log gates, no gate scatter, no gate sums, no bias and no
+attention pattern. Here it is written with plain PyTorch, head by
 head, the decay summed in float64 as the operator sums it: the ExportedProgram is checked against eager FoX
 attention (kvg_export/fox/attention.py), an independent computation.
 """
@@ -11,6 +12,7 @@ attention (kvg_export/fox/attention.py), an independent computation.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 @torch.library.custom_op("kvg::fox_attention", mutates_args=())
@@ -18,30 +20,35 @@ def fox_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    log_gates: torch.Tensor,
+    gate_logits: torch.Tensor,
+    gate_bias: torch.Tensor | None,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     gate_cache: torch.Tensor,
-    allowed: torch.Tensor,
+    attention_mask: torch.Tensor,
     cache_position: torch.Tensor,
     starts: torch.Tensor | None,
     heads: int,
     kv_heads: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """query `[batch, seq, heads*head_dim]`; key, value `[batch, seq, kv_heads*head_dim]`; log_gates `[batch, heads,
-    seq]` float32 (0 at padding); the caches `[batch, kv_heads, past, head_dim]` and `[batch, heads, past]`;
-    allowed `[batch or 1, 1, seq, window]`, which window slots each query may attend (the op masks the slots after
-    its own); cache_position `[seq]`, the new tokens' consecutive window slots; starts `[kv_heads]` or None (all
-    0): kv head h's buffer rows begin `starts[h]` slots into the window, so its new entries go to slots
-    `cache_position - starts[h]` and it attends its own slots only.
+    """query `[batch, seq, heads*head_dim]`; key, value `[batch, seq, kv_heads*head_dim]`; gate_logits `[batch, seq,
+    heads]`, the forget gate's pre-activation less its bias, and gate_bias `[heads]` or None (0; +inf: no forget gate):
+    the new log gates are -softplus(-(logits + bias)), 0 for a padding token; the caches `[batch, kv_heads, past,
+    head_dim]` and `[batch, heads, past]`; attention_mask `[batch or 1, window]`, which window slots hold real tokens (a
+    query attends those up to its own slot, and its own slot); cache_position `[seq]`, the new tokens' consecutive
+    window slots; starts `[kv_heads]` or None (all 0): kv head h's buffer rows begin `starts[h]` slots into the window,
+    so its new entries go to slots `cache_position - starts[h]` and it attends its own slots only.
 
     Returns the attention output `[batch, seq, heads*head_dim]` and the caches, `max(past, window - min(starts))`
     long, the past's slots kept and the rest zero but for the new entries."""
     batch, seq, _ = query.shape
-    head_dim, past, window = key_cache.shape[-1], key_cache.shape[2], allowed.shape[-1]
+    head_dim, past, window = key_cache.shape[-1], key_cache.shape[2], attention_mask.shape[-1]
     begins = [0] * kv_heads if starts is None else starts.tolist()
     length = max(past, window - min(begins))
     group = heads // kv_heads
+    real = attention_mask.expand(batch, window) != 0
+    logits = gate_logits.float() + (0.0 if gate_bias is None else gate_bias.float())
+    log_gates = torch.where(real[:, cache_position, None], -F.softplus(-logits), 0.0).transpose(1, 2)
     caches = []
     for cache in (key_cache, value_cache, gate_cache):
         grown = cache.new_zeros(*cache.shape[:2], length, *cache.shape[3:])
@@ -61,7 +68,8 @@ def fox_attention(
         sums = gates[:, query_heads, :width].double().cumsum(-1)  # [batch, group, width]
         decay = sums.index_select(-1, own).unsqueeze(-1) - sums.unsqueeze(-2)  # c_i - c_j [batch, group, seq, width]
         slots = torch.arange(width, device=query.device)
-        visible = allowed[:, :, :, begin:] & (slots <= own.unsqueeze(-1))  # [batch or 1, 1, seq, width]
+        seeable = real[:, None, None, begin:] | (slots == own.unsqueeze(-1))  # [batch, 1, seq, width]
+        visible = seeable & (slots <= own.unsqueeze(-1))
         scores = queries[:, :, query_heads].transpose(1, 2).float() @ keys[:, head, :width].float().mT.unsqueeze(1)
         scores = scores * head_dim**-0.5 + decay.float()
         scores = scores.masked_fill(~visible, float("-inf"))
@@ -71,10 +79,10 @@ def fox_attention(
 
 
 @fox_attention.register_fake
-def _(query, key, value, log_gates, key_cache, value_cache, gate_cache, allowed, cache_position, starts, heads,
-      kv_heads):  # fmt: skip
+def _(query, key, value, gate_logits, gate_bias, key_cache, value_cache, gate_cache, attention_mask, cache_position,
+      starts, heads, kv_heads):  # fmt: skip
     batch, kv_heads_, past, head_dim = key_cache.shape
-    window = allowed.shape[-1]
+    window = attention_mask.shape[-1]
     # A static buffer's length is a number no window exceeds; a dynamic past's is symbolic, and the window may be longer
     length = past if isinstance(past, int) else torch.sym_max(past, window)
     return (

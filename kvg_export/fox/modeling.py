@@ -121,21 +121,56 @@ class ForgettingAttention(nn.Module):
         values = self._project("v_proj", x, keep, cache)
         if self.config.qk_norm or self.config.use_rope:
             query, keys = self._per_head(query, keys, positions)
-        log_gates = self.log_forget_gate(x)
-        if keep is not None:
-            log_gates = log_gates * keep[:, None, :].float()
-        if in_place:
-            starts = None if window_offsets is None else window_offsets[self.layer_idx]
-            out = self._attend_in_place(
-                query, keys, values, log_gates, cache_position, allowed, cache, starts, fused=in_place == "fused"
-            )
+        starts = None if window_offsets is None else window_offsets[self.layer_idx]
+        if in_place == "fused":  # `allowed` is then the window's attention mask, from which the op builds the pattern
+            out = self._attend_fused(query, keys, values, x, cache_position, allowed, cache, starts)
+        elif in_place:
+            log_gates = self._masked_log_gates(x, keep)
+            out = self._attend_in_place(query, keys, values, log_gates, cache_position, allowed, cache, starts)
         else:
+            log_gates = self._masked_log_gates(x, keep)
             out = self._attend(query, keys, values, log_gates, cache_position, allowed, cache)
         if self.config.use_output_norm:
             out = self.output_norm(out.view(batch, seq, self.heads, self.head_dim)).flatten(2)
         if self.config.use_output_gate:
             out = self.ogate_act(self.ogate_proj(x)) * out
         return self.o_proj(out)
+
+    def _masked_log_gates(self, x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+        """The log forget gates, 0 at padding (`keep` false), so that no decay passes through it."""
+        log_gates = self.log_forget_gate(x)
+        return log_gates if keep is None else log_gates * keep[:, None, :].float()
+
+    def _gate_logits(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forget gate's pre-activation `[batch, seq, heads]` less its bias, and the bias `[heads]` (+inf: no
+        forget gate, whose log gate -softplus(-inf) is 0), as the fused op takes them."""
+        kind = self.config.fgate_type
+        if kind == "full":
+            return F.linear(x, self.fgate_proj.weight).float(), self.fgate_proj.bias.float()
+        zeros = x.new_zeros(*x.shape[:2], self.heads, dtype=torch.float32)
+        if kind == "none":
+            return zeros, torch.full((self.heads,), float("inf"), device=x.device)
+        return zeros, self.fgate_bias.float()
+
+    def _attend_fused(self, query, keys, values, x, cache_position, attention_mask, cache, starts):
+        """A step as one `kvg::fox_attention` op, which the exporter lowers to the fused FoX operator: it computes the
+        log forget gates from their logits, writes them, the keys and the values into the cache buffers itself, and
+        attends each kv head's own window (`starts` as in `_attend_in_place`) with the pattern it builds from the
+        window's `attention_mask` `[batch or 1, window]`. Takes and returns the `[batch, seq, heads * head_dim]`
+        layout."""
+        if cache is None:
+            raise ValueError("fused attention needs a cache to write to")
+        _check_consecutive(cache_position)
+        per_head = [t.unflatten(-1, (self.kv_heads, self.head_dim)).transpose(1, 2) for t in (keys, values)]
+        gate_logits, gate_bias = self._gate_logits(x)
+        new_gates = gate_logits.transpose(1, 2)  # for the cache's checks of the new entries' shapes
+        buffers = cache.buffers(*per_head, new_gates, self.layer_idx, {"cache_position": cache_position})
+        out, *buffers = fox_attention(
+            query, keys, values, gate_logits, gate_bias, *buffers, attention_mask, cache_position, starts, self.heads,
+            self.kv_heads,
+        )  # fmt: skip
+        cache.set_keys_values(self.layer_idx, *buffers)
+        return out
 
     def _per_head(self, query, keys, positions) -> tuple[torch.Tensor, torch.Tensor]:
         """QK-norm and RoPE, which work head by head; in and out `[batch, seq, heads * head_dim]`."""
@@ -161,32 +196,18 @@ class ForgettingAttention(nn.Module):
             keys, values, log_gates = keys[:, :, :window], values[:, :, :window], log_gates[..., :window]
         return forgetting_attention(query, keys, values, log_gates, cache_position, allowed).transpose(1, 2).flatten(2)
 
-    def _attend_in_place(
-        self, query, keys, values, log_gates, cache_position, allowed, cache, starts=None, fused=False
-    ):  # fmt: skip
+    def _attend_in_place(self, query, keys, values, log_gates, cache_position, allowed, cache, starts=None):
         """A step as one `kvg::group_query_attention` op, which the exporter lowers to onnxruntime's
         GroupQueryAttention: it writes the new keys and values into the cache buffer itself and reads only
         the window. `starts` (int64 `[kv_heads]`, or None: all 0): where each kv head's buffer rows begin in the
         window, forget-gate pruning having dropped each head's oldest slots as far as that head allows; the
-        op then reads each head's own slots alone. `fused`: as one `kvg::fox_attention` op instead, which also
-        writes the gates and sums them itself (see `fox/fused_attention.py`). Takes and returns the `[batch, seq,
-        heads * head_dim]` layout."""
+        op then reads each head's own slots alone. Takes and returns the `[batch, seq, heads * head_dim]` layout."""
         if cache is None:
             raise ValueError("in_place_attention needs a cache to write to")
         batch, seq = query.shape[:2]
         window = allowed.shape[-1]
-        if not is_tracing():
-            first = int(cache_position[0])
-            if not torch.equal(cache_position.cpu(), torch.arange(first, first + seq)):
-                raise ValueError("in-place attention writes the new tokens to consecutive cache positions")
-        per_head = [t.unflatten(-1, (self.kv_heads, self.head_dim)).transpose(1, 2) for t in (keys, values)]
-        if fused:
-            buffers = cache.buffers(*per_head, log_gates, self.layer_idx, {"cache_position": cache_position})
-            out, *buffers = fox_attention(
-                query, keys, values, log_gates, *buffers, allowed, cache_position, starts, self.heads, self.kv_heads
-            )
-            cache.set_keys_values(self.layer_idx, *buffers)
-            return out
+        _check_consecutive(cache_position)
+        per_head = (t.unflatten(-1, (self.kv_heads, self.head_dim)).transpose(1, 2) for t in (keys, values))
         written = {"cache_position": cache_position, "window": window}
         if starts is not None:
             earliest = starts.min().item()
@@ -213,6 +234,13 @@ class ForgettingAttention(nn.Module):
         )  # fmt: skip
         cache.set_keys_values(self.layer_idx, key_cache, value_cache)
         return out
+
+
+def _check_consecutive(cache_position: torch.Tensor) -> None:
+    if not is_tracing():
+        first, seq = int(cache_position[0]), cache_position.shape[0]
+        if not torch.equal(cache_position.cpu(), torch.arange(first, first + seq)):
+            raise ValueError("in-place attention writes the new tokens to consecutive cache positions")
 
 
 class FoxBlock(nn.Module):
@@ -372,6 +400,10 @@ class FoxModel(FoxPreTrainedModel):
         positions, keep, allowed = attention_pattern(
             attention_mask, cache_position, kv_length, batch, windowed, causal=not in_place_attention
         )
+        if in_place_attention == "fused":  # the fused op builds the pattern from the window's mask itself
+            allowed = attention_mask
+            if allowed is None:
+                allowed = torch.ones(1, kv_length, dtype=torch.long, device=cache_position.device)
         for block in self.layers:
             hidden = block(hidden, positions, cache_position, keep, allowed, cache, in_place_attention, window_offsets)
         return hidden
