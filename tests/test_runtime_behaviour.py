@@ -286,6 +286,33 @@ def test_a_missing_or_broken_artifact_is_refused_with_a_message(dynamic_artifact
     assert re.search(message, capsys.readouterr().err)
 
 
+def built_elsewhere(folder):
+    manifest = json.loads((folder / "kvg_config.json").read_text())
+    manifest["custom_ops"]["platform"] = "darwin-arm64"
+    (folder / "kvg_config.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.skipif(CPU_FP32_ATTENTION != "fused", reason="the fused operator's library cannot be built here")
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda f: (f / "libkvg_fox_attention.so").unlink(), "libkvg_fox_attention.so is missing"),
+        (lambda f: (f / "libkvg_fox_attention.so").write_bytes(b"garbage"), "onnxruntime cannot load .*so"),
+        (built_elsewhere, "was built for darwin-arm64 and this machine is linux"),
+    ],
+    ids=["missing", "corrupt", "other-platform"],
+)
+def test_a_fused_artifacts_library_that_cannot_load_is_refused_with_the_fix(
+    dynamic_artifact, tmp_path, capsys, damage, message
+):
+    folder = broken_copy(dynamic_artifact, tmp_path, damage)
+    with pytest.raises(ArtifactError, match=message):
+        Generator.open(folder, CPU)
+    assert main([str(folder), "--ids", "5,6", "--provider", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err) and "re-export the model on this machine" in err and "--attention gqa" in err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA, so the request is valid here")
 def test_asking_for_cuda_where_there_is_none_is_an_error(exported, capsys):
     portable = exported("fox-pro-tiny", "dynamic", attention="standard")[0].path

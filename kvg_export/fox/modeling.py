@@ -141,12 +141,13 @@ class ForgettingAttention(nn.Module):
         log_gates = self.log_forget_gate(x)
         return log_gates if keep is None else log_gates * keep[:, None, :].float()
 
-    def _gate_logits(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The forget gate's pre-activation `[batch, seq, heads]` less its bias, and the bias `[heads]` (+inf: no
-        forget gate, whose log gate -softplus(-inf) is 0), as the fused op takes them."""
+    def _gate_logits(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forget gate's pre-activation `[batch, seq, heads]` and a bias `[heads]` to add to it (None: 0; +inf: no
+        forget gate, whose log gate -softplus(-inf) is 0), as the fused op takes them. The projection keeps its bias
+        (through its module, whose name the graph's MatMul then bears, as quantization's choices read it)."""
         kind = self.config.fgate_type
         if kind == "full":
-            return F.linear(x, self.fgate_proj.weight).float(), self.fgate_proj.bias.float()
+            return self.fgate_proj(x).float(), None
         zeros = x.new_zeros(*x.shape[:2], self.heads, dtype=torch.float32)
         if kind == "none":
             return zeros, torch.full((self.heads,), float("inf"), device=x.device)
