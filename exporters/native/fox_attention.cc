@@ -38,6 +38,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -46,6 +47,7 @@ namespace {
 constexpr const char* kDomain = "kvg.fox";
 constexpr int64_t kQueryBlock = 32;    // queries that share one transposed block of keys
 constexpr int64_t kKeyBlock = 64;      // keys scored at once
+constexpr int kTileRows = 4;          // queries a register tile holds
 constexpr int64_t kSplitKeys = 2048;   // a decode step's window is split into parts of about this many keys
 constexpr int64_t kMaxSplits = 32;
 constexpr int64_t kSplitQueries = 4;   // steps of at most this many queries a row split their windows
@@ -78,7 +80,7 @@ struct Problem {
   const int64_t* positions;
   std::vector<int64_t> starts;  // per kv head
   float *keys, *values, *gates, *out;
-  std::vector<double> sums;     // [B, H, length]: the gates summed from slot 0 through each slot
+  std::unique_ptr<double[]> sums;  // [B, H, length]: the gates summed from a row's first slot through each slot
   int64_t query_blocks = 1, splits = 1;
   std::vector<float> partial;   // split-K: per (row, head, query, split) the max, the sum and D accumulators
   float scale;
@@ -100,37 +102,52 @@ struct Problem {
   }
 };
 
-// The running softmax of one query over blocks of keys
-struct Running {
-  float max = kNegInf, sum = 0.0f;
-  float* acc;  // D
-
-  void add(const float* scores, int64_t count, const float* values, int64_t dim, float* weights) {
-    float block_max = kNegInf;
-    for (int64_t j = 0; j < count; ++j) block_max = std::max(block_max, scores[j]);
-    if (block_max == kNegInf) return;
-    const float new_max = std::max(max, block_max);
-    const float correction = max == kNegInf ? 0.0f : exp_approx(max - new_max);
-    float block_sum = 0.0f;
-#pragma omp simd reduction(+ : block_sum)
-    for (int64_t j = 0; j < count; ++j) {
-      weights[j] = exp_approx(scores[j] - new_max);
-      block_sum += weights[j];
-    }
-    sum = sum * correction + block_sum;
-    for (int64_t d = 0; d < dim; ++d) acc[d] *= correction;
-    for (int64_t j = 0; j < count; ++j) {
-      const float w = weights[j];
-      if (w == 0.0f) continue;
-      const float* v = values + j * dim;
+// Scores of up to kQueryBlock queries (rows of `queries`, a multiple of kTileRows of them) against a block of keys
+// (`transposed`: dim rows of kKeyBlock), kTileRows queries by 16 keys at a time in registers
+void score_tile(const float* queries, int64_t rows, const float* transposed, int64_t width, int64_t dim, float* out) {
+  for (int64_t i0 = 0; i0 < rows; i0 += kTileRows)
+    for (int64_t j0 = 0; j0 < width; j0 += 16) {
+      float acc[kTileRows][16] = {};
+      for (int64_t d = 0; d < dim; ++d) {
+        const float* kt = transposed + d * kKeyBlock + j0;
+        for (int r = 0; r < kTileRows; ++r) {
+          const float q = queries[(i0 + r) * dim + d];
 #pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) acc[d] += w * v[d];
+          for (int c = 0; c < 16; ++c) acc[r][c] += q * kt[c];
+        }
+      }
+      for (int r = 0; r < kTileRows; ++r) std::memcpy(out + (i0 + r) * kKeyBlock + j0, acc[r], sizeof(acc[r]));
     }
-    max = new_max;
-  }
-};
+}
 
-// One task: queries [first, last) of (row, head), keys of part `split` of its window
+// acc += weights . values for the block's queries (a multiple of kTileRows rows of `weights`, kKeyBlock each) and
+// keys, kTileRows queries by 16 channels at a time in registers (dim a multiple of 16)
+void value_tile(const float* weights, int64_t rows, const float* values, int64_t width, int64_t dim, float* acc) {
+  for (int64_t i0 = 0; i0 < rows; i0 += kTileRows)
+    for (int64_t d0 = 0; d0 < dim; d0 += 16) {
+      float sum[kTileRows][16] = {};
+      for (int64_t j = 0; j < width; ++j) {
+        const float* v = values + j * dim + d0;
+        for (int r = 0; r < kTileRows; ++r) {
+          const float w = weights[(i0 + r) * kKeyBlock + j];
+#pragma omp simd
+          for (int c = 0; c < 16; ++c) sum[r][c] += w * v[c];
+        }
+      }
+      for (int r = 0; r < kTileRows; ++r)
+        for (int c = 0; c < 16; ++c) acc[(i0 + r) * dim + d0 + c] += sum[r][c];
+    }
+}
+
+// A task's working memory, kept by each thread between runs: a decode step allocates nothing
+struct Scratch {
+  std::vector<float> floats;
+  std::vector<int64_t> seen;
+};
+thread_local Scratch scratch;
+
+// One task: queries [first, last) of (row, head), keys of part `split` of its window, in blocks of kKeyBlock with
+// a running softmax per query
 void attend(Problem& p, int64_t task) {
   const int64_t split = task % p.splits;
   int64_t rest = task / p.splits;
@@ -151,23 +168,28 @@ void attend(Problem& p, int64_t task) {
   const int64_t key_begin = oldest + split * part;
   const int64_t key_end = std::min(newest, key_begin + part);
 
-  std::vector<float> scratch(count * dim + dim * kKeyBlock + 2 * kKeyBlock + count * dim);
-  float* acc = scratch.data();
-  float* transposed = acc + count * dim;
-  float* scores = transposed + dim * kKeyBlock;
-  float* weights = scores + kKeyBlock;
-  float* queries = weights + kKeyBlock;  // scaled
-  std::vector<Running> running(count);
+  const int64_t rows = (count + kTileRows - 1) / kTileRows * kTileRows;  // the tiles' queries: the block's, then zero rows
+  const bool tiled = count > 1 && dim % 16 == 0;  // a decode step's one query reads each value row once anyway
+  scratch.floats.resize(2 * rows * dim + dim * kKeyBlock + rows * kKeyBlock + 2 * rows);
+  scratch.seen.resize(count);
+  float* queries = scratch.floats.data();  // scaled
+  float* acc = queries + rows * dim;
+  float* transposed = acc + rows * dim;
+  float* scores = transposed + dim * kKeyBlock;  // a row per query, its weights once exponentiated
+  float* maxima = scores + rows * kKeyBlock;
+  float* totals = maxima + rows;
+  std::fill(queries, queries + 2 * rows * dim, 0.0f);
+  std::fill(maxima, maxima + rows, kNegInf);
+  std::fill(totals, totals + rows, 0.0f);
   for (int64_t i = 0; i < count; ++i) {
-    running[i].acc = acc + i * dim;
     const float* q = p.query + ((row * p.seq + first + i) * p.heads + head) * dim;
     for (int64_t d = 0; d < dim; ++d) queries[i * dim + d] = q[d] * p.scale;
   }
   const float* keys = p.keys_of(row, kv_head);
   const float* values = p.values_of(row, kv_head);
-  const double* sums = p.sums.data() + (row * p.heads + head) * p.length;
+  const double* sums = p.sums.get() + (row * p.heads + head) * p.length;
+  int64_t* seen_by = scratch.seen.data();  // how many of a block's keys each query reads (0: none it may attend)
 
-  std::vector<int64_t> seen_by(count);  // how many of a block's keys each query reads (0: none it may attend)
   for (int64_t begin = key_begin; begin < key_end; begin += kKeyBlock) {
     const int64_t width = std::min(kKeyBlock, key_end - begin);
     bool any = false;  // a block no query may attend (a gap in a row's window: other rows' slots) is skipped
@@ -178,52 +200,76 @@ void attend(Problem& p, int64_t task) {
     }
     if (!any) continue;
     const float* block_keys = keys + begin * dim;
-    if (count > 1) {  // scores of the block's queries as a small matrix product over the transposed keys
-      for (int64_t j = 0; j < width; ++j)
-        for (int64_t d = 0; d < dim; ++d) transposed[d * kKeyBlock + j] = block_keys[j * dim + d];
-    }
-    for (int64_t i = 0; i < count; ++i) {
-      const int64_t mine = p.positions[first + i] - start;  // the query's own slot
-      const int64_t seen = seen_by[i];
-      if (seen == 0) continue;
-      const float* q = queries + i * dim;
-      if (count > 1) {
-        std::fill(scores, scores + seen, 0.0f);
-        for (int64_t d = 0; d < dim; ++d) {
-          const float qd = q[d];
-          const float* kt = transposed + d * kKeyBlock;
-#pragma omp simd
-          for (int64_t j = 0; j < seen; ++j) scores[j] += qd * kt[j];
-        }
-      } else {
-        for (int64_t j = 0; j < seen; ++j) {
-          const float* k = block_keys + j * dim;
-          float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < dim; ++d) dot += q[d] * k[d];
-          scores[j] = dot;
-        }
+    const float* block_values = values + begin * dim;
+    if (count > 1) {  // the scores as a small matrix product over the transposed keys
+      const int64_t padded = (width + 15) / 16 * 16;
+      for (int64_t d = 0; d < dim; ++d) {
+        float* column = transposed + d * kKeyBlock;
+        for (int64_t j = 0; j < width; ++j) column[j] = block_keys[j * dim + d];
+        std::fill(column + width, column + padded, 0.0f);
       }
+      score_tile(queries, rows, transposed, padded, dim, scores);
+    } else {
+      for (int64_t j = 0; j < seen_by[0]; ++j) {
+        const float* k = block_keys + j * dim;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < dim; ++d) dot += queries[d] * k[d];
+        scores[j] = dot;
+      }
+    }
+    for (int64_t i = 0; i < rows; ++i) {  // each query's weights, its running maximum and sum brought up to date
+      float* weights = scores + i * kKeyBlock;
+      const int64_t seen = i < count ? seen_by[i] : 0;
+      const int64_t mine = i < count ? p.positions[first + i] - start : 0;  // the query's own slot
       const char* real = p.real_of(row) + start + begin;
-      const double at_query = sums[mine];
+      const double at_query = seen > 0 ? sums[mine] : 0.0;
+      float block_max = kNegInf;
       for (int64_t j = 0; j < seen; ++j) {
         const bool seeable = real[j] || begin + j == mine;  // a padding query attends its own slot alone
-        scores[j] = seeable ? scores[j] + static_cast<float>(at_query - sums[begin + j]) : kNegInf;
+        weights[j] = seeable ? weights[j] + static_cast<float>(at_query - sums[begin + j]) : kNegInf;
+        block_max = std::max(block_max, weights[j]);
       }
-      running[i].add(scores, seen, values + begin * dim, dim, weights);
+      if (block_max == kNegInf) {
+        std::fill(weights, weights + width, 0.0f);
+        continue;
+      }
+      const float new_max = std::max(maxima[i], block_max);
+      const float correction = maxima[i] == kNegInf ? 0.0f : exp_approx(maxima[i] - new_max);
+      float block_sum = 0.0f;
+#pragma omp simd reduction(+ : block_sum)
+      for (int64_t j = 0; j < seen; ++j) {
+        weights[j] = exp_approx(weights[j] - new_max);
+        block_sum += weights[j];
+      }
+      std::fill(weights + seen, weights + width, 0.0f);
+      totals[i] = totals[i] * correction + block_sum;
+      maxima[i] = new_max;
+      for (int64_t d = 0; d < dim; ++d) acc[i * dim + d] *= correction;
+    }
+    if (tiled) {
+      value_tile(scores, rows, block_values, width, dim, acc);
+    } else {
+      for (int64_t i = 0; i < count; ++i)
+        for (int64_t j = 0; j < width; ++j) {
+          const float w = scores[i * kKeyBlock + j];
+          if (w == 0.0f) continue;
+          const float* v = block_values + j * dim;
+#pragma omp simd
+          for (int64_t d = 0; d < dim; ++d) acc[i * dim + d] += w * v[d];
+        }
     }
   }
   for (int64_t i = 0; i < count; ++i) {
-    const Running& r = running[i];
     if (p.splits == 1) {
       float* out = p.out + ((row * p.seq + first + i) * p.heads + head) * dim;
-      const float inverse = r.sum > 0.0f ? 1.0f / r.sum : 0.0f;
-      for (int64_t d = 0; d < dim; ++d) out[d] = r.acc[d] * inverse;
+      const float inverse = totals[i] > 0.0f ? 1.0f / totals[i] : 0.0f;
+      for (int64_t d = 0; d < dim; ++d) out[d] = acc[i * dim + d] * inverse;
     } else {
       float* slot = p.partial.data() + (((row * p.heads + head) * p.seq + first + i) * p.splits + split) * (dim + 2);
-      slot[0] = r.max;
-      slot[1] = r.sum;
-      std::memcpy(slot + 2, r.acc, dim * sizeof(float));
+      slot[0] = maxima[i];
+      slot[1] = totals[i];
+      std::memcpy(slot + 2, acc + i * dim, dim * sizeof(float));
     }
   }
 }
@@ -254,7 +300,7 @@ void merge(const Problem& p, int64_t index) {  // index: (row, head, query)
 void sum_gates(Problem& p, int64_t index) {
   const int64_t head = index % p.heads, row = index / p.heads, start = p.start(head);
   const float* gates = p.gates + index * p.length;
-  double* sums = p.sums.data() + index * p.length;
+  double* sums = p.sums.get() + index * p.length;
   const int64_t end = std::min(p.own_window(head), p.positions[p.seq - 1] - start + 1);
   int64_t first = end;
   for (int64_t i = 0; i < p.seq && first > 0; ++i) first = std::min(first, p.first_seen(row, i, start, 0, first));
@@ -366,7 +412,7 @@ struct FoxAttentionKernel {
     write_new(p);
 
     const int64_t longest = p.window - earliest;
-    p.sums.resize(p.batch * heads * p.length);
+    p.sums.reset(new double[p.batch * heads * p.length]);  // each (row, head) writes the slots it reads
     parallel(context, p.batch * heads, static_cast<double>(p.batch * heads * longest),
              [&p](int64_t index) { sum_gates(p, index); });
     p.query_blocks = (p.seq + kQueryBlock - 1) / kQueryBlock;
