@@ -170,7 +170,7 @@ void attend(Problem& p, int64_t task) {
 
   const int64_t rows = (count + kTileRows - 1) / kTileRows * kTileRows;  // the tiles' queries: the block's, then zero rows
   const bool tiled = count > 1 && dim % 16 == 0;  // a decode step's one query reads each value row once anyway
-  scratch.floats.resize(2 * rows * dim + dim * kKeyBlock + rows * kKeyBlock + 2 * rows);
+  scratch.floats.resize(2 * rows * dim + dim * kKeyBlock + rows * kKeyBlock + 2 * rows + kKeyBlock);
   scratch.seen.resize(count);
   float* queries = scratch.floats.data();  // scaled
   float* acc = queries + rows * dim;
@@ -178,6 +178,7 @@ void attend(Problem& p, int64_t task) {
   float* scores = transposed + dim * kKeyBlock;  // a row per query, its weights once exponentiated
   float* maxima = scores + rows * kKeyBlock;
   float* totals = maxima + rows;
+  float* decay = totals + rows;  // a block's gate sums from its first slot
   std::fill(queries, queries + 2 * rows * dim, 0.0f);
   std::fill(maxima, maxima + rows, kNegInf);
   std::fill(totals, totals + rows, 0.0f);
@@ -218,18 +219,25 @@ void attend(Problem& p, int64_t task) {
         scores[j] = dot;
       }
     }
+    // The block's gate sums from its first slot, each rounded once from double: a query's decay to key j is then
+    // its own sum less key j's, both small where the weights are not
+    const char* real = p.real_of(row) + start + begin;
+    const bool all_real = std::find(real, real + width, 0) == real + width;
+#pragma omp simd
+    for (int64_t j = 0; j < width; ++j) decay[j] = static_cast<float>(sums[begin + j] - sums[begin]);
     for (int64_t i = 0; i < rows; ++i) {  // each query's weights, its running maximum and sum brought up to date
       float* weights = scores + i * kKeyBlock;
       const int64_t seen = i < count ? seen_by[i] : 0;
       const int64_t mine = i < count ? p.positions[first + i] - start : 0;  // the query's own slot
-      const char* real = p.real_of(row) + start + begin;
-      const double at_query = seen > 0 ? sums[mine] : 0.0;
+      const float at_query = seen > 0 ? static_cast<float>(sums[mine] - sums[begin]) : 0.0f;
+#pragma omp simd
+      for (int64_t j = 0; j < seen; ++j) weights[j] += at_query - decay[j];
+      if (!all_real)
+        for (int64_t j = 0; j < seen; ++j)  // a padding query attends its own slot alone
+          weights[j] = real[j] || begin + j == mine ? weights[j] : kNegInf;
       float block_max = kNegInf;
-      for (int64_t j = 0; j < seen; ++j) {
-        const bool seeable = real[j] || begin + j == mine;  // a padding query attends its own slot alone
-        weights[j] = seeable ? weights[j] + static_cast<float>(at_query - sums[begin + j]) : kNegInf;
-        block_max = std::max(block_max, weights[j]);
-      }
+#pragma omp simd reduction(max : block_max)
+      for (int64_t j = 0; j < seen; ++j) block_max = std::max(block_max, weights[j]);
       if (block_max == kNegInf) {
         std::fill(weights, weights + width, 0.0f);
         continue;
