@@ -45,8 +45,8 @@
 namespace {
 
 constexpr const char* kDomain = "kvg.fox";
-constexpr int64_t kQueryBlock = 32;    // queries that share one transposed block of keys
-constexpr int64_t kKeyBlock = 64;      // keys scored at once
+constexpr int64_t kQueryBlock = 64;    // queries that share one transposed block of keys
+constexpr int64_t kKeyBlock = 128;     // keys scored at once
 constexpr int kTileRows = 4;          // queries a register tile holds
 constexpr int64_t kSplitKeys = 2048;   // a decode step's window is split into parts of about this many keys
 constexpr int64_t kMaxSplits = 32;
@@ -168,8 +168,10 @@ void attend(Problem& p, int64_t task) {
   const int64_t key_begin = oldest + split * part;
   const int64_t key_end = std::min(newest, key_begin + part);
 
-  const int64_t rows = (count + kTileRows - 1) / kTileRows * kTileRows;  // the tiles' queries: the block's, then zero rows
-  const bool tiled = count > 1 && dim % 16 == 0;  // a decode step's one query reads each value row once anyway
+  // A chunk's scores and value sums in register tiles, over its queries and zero rows up to a multiple of kTileRows; a
+  // decode step's one query reads each key and value row once anyway
+  const bool tiled = count > 1;
+  const int64_t rows = tiled ? (count + kTileRows - 1) / kTileRows * kTileRows : count;
   scratch.floats.resize(2 * rows * dim + dim * kKeyBlock + rows * kKeyBlock + 2 * rows + kKeyBlock);
   scratch.seen.resize(count);
   float* queries = scratch.floats.data();  // scaled
@@ -202,7 +204,7 @@ void attend(Problem& p, int64_t task) {
     if (!any) continue;
     const float* block_keys = keys + begin * dim;
     const float* block_values = values + begin * dim;
-    if (count > 1) {  // the scores as a small matrix product over the transposed keys
+    if (tiled) {  // the scores as a small matrix product over the transposed keys
       const int64_t padded = (width + 15) / 16 * 16;
       for (int64_t d = 0; d < dim; ++d) {
         float* column = transposed + d * kKeyBlock;
@@ -255,7 +257,7 @@ void attend(Problem& p, int64_t task) {
       maxima[i] = new_max;
       for (int64_t d = 0; d < dim; ++d) acc[i * dim + d] *= correction;
     }
-    if (tiled) {
+    if (tiled && dim % 16 == 0) {
       value_tile(scores, rows, block_values, width, dim, acc);
     } else {
       for (int64_t i = 0; i < count; ++i)
