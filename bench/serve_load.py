@@ -161,10 +161,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-batch", type=int, default=16, help="the server's rows (the artifact's max batch)")
     parser.add_argument("--batch", type=int, default=8, help="rows of the Generator's batched calls (0: none)")
     parser.add_argument("--server-flags", default="", help='more kvg-serve flags, e.g. "--max-queue 8"')
+    parser.add_argument(
+        "--attention", choices=["fused", "gqa"], default="fused",
+        help="how the artifacts attend (fused: the CPU default; gqa: as before the fused operator)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     threads = os.cpu_count()
-    static = artifact(args.model, "static", STATIC_LENGTH, "gqa")
-    generator = Generator.open(artifact(args.model, "dynamic", None, "gqa"), SessionOptions("cpu", threads))
+    static = artifact(args.model, "static", STATIC_LENGTH, args.attention)
+    generator = Generator.open(artifact(args.model, "dynamic", None, args.attention), SessionOptions("cpu", threads))
     batched = Generator.open(static, SessionOptions("cpu", threads)) if args.batch else None
     vocab = generator.artifact.vocab_size
     counts = {c: args.requests or max(2 * c, 8) for c in [*args.clients, args.batch]}

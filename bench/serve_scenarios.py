@@ -143,9 +143,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix", type=int, default=1024)
     parser.add_argument("--prefix-requests", type=int, default=16)
     parser.add_argument("--prefix-clients", type=int, default=4)
+    parser.add_argument(
+        "--attention", choices=["fused", "gqa"], default="fused",
+        help="how the artifacts attend (fused: the CPU default; gqa: as before the fused operator)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     threads = os.cpu_count()
-    folder = artifact("fox-small", "static", LENGTH, "gqa")
+    folder = artifact("fox-small", "static", LENGTH, args.attention)
     with open(os.path.join(folder, "kvg_config.json")) as manifest:
         vocab = json.load(manifest)["model"]["vocab_size"]
     configurations = {
