@@ -26,6 +26,7 @@ from report import record
 
 from exporters.export import ExportOptions, export_artifact
 from kvg_export import FoxConfig, FoxForCausalLM
+from runtime.artifact import session_options
 
 BEGIN, END = "<!-- precision:begin -->", "<!-- precision:end -->"
 ATTENTION = ("fused", "gqa")
@@ -87,11 +88,8 @@ def feeds(manifest: dict, lengths: list[int], vocab: int) -> dict[str, np.ndarra
 
 
 def run_raw(folder: Path, inputs: dict[str, np.ndarray], threads: int) -> np.ndarray:
-    manifest = json.loads((folder / "kvg_config.json").read_text())
-    options = ort.SessionOptions()
+    options = session_options(folder)
     options.intra_op_num_threads = threads
-    if manifest.get("custom_ops"):
-        options.register_custom_ops_library(str(folder / manifest["custom_ops"]["file"]))
     session = ort.InferenceSession(str(folder / "model.onnx"), options, providers=["CPUExecutionProvider"])
     return session.run(["logits"], inputs)[0]
 

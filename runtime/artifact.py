@@ -146,11 +146,7 @@ def open_session(folder: Path, manifest: dict, options: SessionOptions) -> ort.I
             settings.add_session_config_entry("session.optimized_model_external_initializers_file_name", weights)
     if not model_path.is_file():
         raise ArtifactError(f"{model_path} is missing; re-export the model")
-    if manifest.get("custom_ops"):
-        try:
-            custom_ops.register(settings, folder, manifest["custom_ops"])
-        except ValueError as error:
-            raise ArtifactError(str(error)) from None
+    _register_custom_ops(settings, folder, manifest)
     providers, cuda_required = _providers(options.provider, manifest)
     if cuda_required and PROVIDERS["cuda"] not in ort.get_available_providers():
         raise ArtifactError(_no_cuda(options.provider, manifest))
@@ -167,6 +163,24 @@ def open_session(folder: Path, manifest: dict, options: SessionOptions) -> ort.I
         raise ArtifactError(_no_cuda(options.provider, manifest))
     _check_graph(session, manifest, folder)
     return session
+
+
+def _register_custom_ops(settings: ort.SessionOptions, folder: Path, manifest: dict) -> None:
+    """Register the library of the custom ops the graph uses, where the manifest names one (runtime/custom_ops.py)."""
+    if manifest.get("custom_ops"):
+        try:
+            custom_ops.register(settings, folder, manifest["custom_ops"])
+        except ValueError as error:
+            raise ArtifactError(str(error)) from None
+
+
+def session_options(folder: str | Path) -> ort.SessionOptions:
+    """onnxruntime SessionOptions that open `folder`'s model.onnx as any onnxruntime user would: with the artifact's
+    custom-op library registered where its manifest names one (else as they are)."""
+    folder = Path(folder)
+    settings = ort.SessionOptions()
+    _register_custom_ops(settings, folder, read_manifest(folder))
+    return settings
 
 
 def _no_cuda(choice: str, manifest: dict) -> str:

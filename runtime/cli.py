@@ -52,9 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         device = generator.artifact.device.upper()
         why = ""
         if args.provider == "auto" and device == "CPU":
-            manifest = generator.artifact.manifest
-            kernel = "fused FoX attention" if manifest.get("attention") == "fused" else "GroupQueryAttention"
-            cpu_only = unrunnable("cuda", manifest) is not None
+            kernel = "fused FoX attention" if generator.artifact.attention == "fused" else "GroupQueryAttention"
+            cpu_only = unrunnable("cuda", generator.artifact.manifest) is not None
             why = f" (its fp32 {kernel} runs on the CPU provider)" if cpu_only else " (CUDA is not usable here)"
         artifact = generator.artifact
         print(

@@ -9,12 +9,9 @@ for the runtime, after checking the platform, so that a library that cannot load
 
 from __future__ import annotations
 
-import json
 import platform
 import sys
 from pathlib import Path
-
-import onnxruntime as ort
 
 DOMAIN, OP_NAME, OP_VERSION = "kvg.fox", "FoxAttention", 1
 # x86-64 levels the library may be built for, by the CPU flags each needs beyond the one before
@@ -62,14 +59,3 @@ def register(settings, folder: Path, entry: dict) -> None:
         settings.register_custom_ops_library(str(library))
     except Exception as error:  # onnxruntime's own exception types
         raise ValueError(f"onnxruntime cannot load {library}: {error}; {fix}") from None
-
-
-def session_options(folder: str | Path):
-    """onnxruntime SessionOptions that open `folder`'s model.onnx as any onnxruntime user would: with the artifact's
-    custom-op library registered where its manifest names one (else as they are)."""
-    folder = Path(folder)
-    options = ort.SessionOptions()
-    entry = json.loads((folder / "kvg_config.json").read_text()).get("custom_ops")
-    if entry:
-        register(options, folder, entry)
-    return options

@@ -17,7 +17,7 @@ from exporters.export import ExportError, ExportOptions, check_options, export_a
 from exporters.manifest import MANIFEST_NAME
 from exporters.onnx_export import export_program
 from kvg_export.presets import load_model
-from runtime.custom_ops import session_options
+from runtime.artifact import session_options
 
 CASES = [
     (p, c, "fp32") for p in ("fox-tiny", "fox-pro-tiny", "fox-gqa-tiny", "fox-small") for c in ("dynamic", "static")

@@ -15,8 +15,7 @@ from exporters.validate import TOLERANCES
 from kvg_export import DynamicCache
 from kvg_export.cache_layers import DynamicLayer
 from kvg_export.presets import load_model
-from runtime.artifact import SessionOptions
-from runtime.custom_ops import session_options
+from runtime.artifact import SessionOptions, session_options
 from runtime.generator import GenerationConfig, Generator
 
 CPU = SessionOptions(provider="cpu")

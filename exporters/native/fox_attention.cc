@@ -38,7 +38,6 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <memory>
 #include <string>
 #include <vector>
 
@@ -72,6 +71,8 @@ inline float exp_approx(float x) {
   return x < -87.33654f ? 0.0f : y * scale;
 }
 
+// One run's shapes, pointers and working buffers. Each calling thread keeps one between runs (see `compute`), so
+// that a decode step reuses the buffers' memory rather than allocating it: every field is set anew each run.
 struct Problem {
   int64_t batch, seq, heads, kv_heads, dim, past, window, length;
   const float *query, *key, *value, *gate_logits;
@@ -80,8 +81,8 @@ struct Problem {
   const int64_t* positions;
   std::vector<int64_t> starts;  // per kv head
   float *keys, *values, *gates, *out;
-  std::unique_ptr<double[]> sums;  // [B, H, length]: the gates summed from a row's first slot through each slot
-  int64_t query_blocks = 1, splits = 1;
+  std::vector<double> sums;     // [B, H, length]: the gates summed from a row's first slot through each slot
+  int64_t query_blocks, splits;
   std::vector<float> partial;   // split-K: per (row, head, query, split) the max, the sum and D accumulators
   float scale;
 
@@ -190,7 +191,7 @@ void attend(Problem& p, int64_t task) {
   }
   const float* keys = p.keys_of(row, kv_head);
   const float* values = p.values_of(row, kv_head);
-  const double* sums = p.sums.get() + (row * p.heads + head) * p.length;
+  const double* sums = p.sums.data() + (row * p.heads + head) * p.length;
   int64_t* seen_by = scratch.seen.data();  // how many of a block's keys each query reads (0: none it may attend)
 
   for (int64_t begin = key_begin; begin < key_end; begin += kKeyBlock) {
@@ -310,7 +311,7 @@ void merge(const Problem& p, int64_t index) {  // index: (row, head, query)
 void sum_gates(Problem& p, int64_t index) {
   const int64_t head = index % p.heads, row = index / p.heads, start = p.start(head);
   const float* gates = p.gates + index * p.length;
-  double* sums = p.sums.get() + index * p.length;
+  double* sums = p.sums.data() + index * p.length;
   const int64_t end = std::min(p.own_window(head), p.positions[p.seq - 1] - start + 1);
   int64_t first = end;
   for (int64_t i = 0; i < p.seq && first > 0; ++i) first = std::min(first, p.first_seen(row, i, start, 0, first));
@@ -368,7 +369,8 @@ struct FoxAttentionKernel {
     if (query.size() != 3 || key.size() != 3 || shape(2) != key || logits.size() != 3 || past_key.size() != 4 ||
         shape(6) != past_key || past_gate.size() != 3 || mask.size() != 2 || positions.size() != 1)
       return fail("inputs of the wrong rank (see the op's contract)");
-    Problem p{};
+    thread_local Problem kept;
+    Problem& p = kept;  // the workers' tasks capture this reference: they read the calling thread's run
     p.batch = query[0];
     p.seq = query[1];
     p.heads = heads;
@@ -422,10 +424,11 @@ struct FoxAttentionKernel {
     write_new(p);
 
     const int64_t longest = p.window - earliest;
-    p.sums.reset(new double[p.batch * heads * p.length]);  // each (row, head) writes the slots it reads
+    p.sums.resize(p.batch * heads * p.length);  // each (row, head) writes the slots it reads before they are read
     parallel(context, p.batch * heads, static_cast<double>(p.batch * heads * longest),
              [&p](int64_t index) { sum_gates(p, index); });
     p.query_blocks = (p.seq + kQueryBlock - 1) / kQueryBlock;
+    p.splits = 1;
     if (p.seq <= kSplitQueries)
       p.splits = std::clamp<int64_t>((longest + kSplitKeys - 1) / kSplitKeys, 1, kMaxSplits);
     if (p.splits > 1) p.partial.resize(p.batch * heads * p.seq * p.splits * (p.dim + 2));

@@ -4,9 +4,9 @@ onnxruntime operator `kvg.fox FoxAttention` (exporters/native/fox_attention.cc h
 It takes the new queries, keys, values and forget-gate logits with the layer's key, value and gate buffers and the
 window's attention mask, writes the new entries into the buffers and attends each kv head's own window with the
 decay summed inside, so the graph around it carries no log gates, no gate scatter, no gate sums, no bias and no
-attention pattern. Here it is written with plain PyTorch, head by
-head, the decay summed in float64 as the operator sums it: the ExportedProgram is checked against eager FoX
-attention (kvg_export/fox/attention.py), an independent computation.
+attention pattern. Here it is written with plain PyTorch, head by head, the decay summed in float64 as the operator
+sums it: the ExportedProgram is checked against eager FoX attention (kvg_export/fox/attention.py), an independent
+computation.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def fox_attention(
     kv_heads: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """query `[batch, seq, heads*head_dim]`; key, value `[batch, seq, kv_heads*head_dim]`; gate_logits `[batch, seq,
-    heads]`, the forget gate's pre-activation less its bias, and gate_bias `[heads]` or None (0; +inf: no forget gate):
+    heads]`, the forget gate's pre-activation, and gate_bias `[heads]` or None (0; +inf: no forget gate) added to it:
     the new log gates are -softplus(-(logits + bias)), 0 for a padding token; the caches `[batch, kv_heads, past,
     head_dim]` and `[batch, heads, past]`; attention_mask `[batch or 1, window]`, which window slots hold real tokens (a
     query attends those up to its own slot, and its own slot); cache_position `[seq]`, the new tokens' consecutive
