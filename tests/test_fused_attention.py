@@ -1,6 +1,7 @@
 """The fused FoX attention operator (exporters/native/fox_attention.cc) alone, in onnxruntime, against a naive
 float64 computation of the formula: windows per kv head, GQA, left padding, prompt chunks and decode steps, a
-long window split across threads, and in-place writes into a buffer bound as past and present."""
+long window split across threads, in-place writes into a buffer bound as past and present, and FoX-Pro's token
+shift, QK-norm, output norm and output gate."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ from runtime.custom_ops import DOMAIN, OP_NAME, OP_VERSION
 
 NAMES = ["query", "key", "value", "gate_logits", "gate_bias", "past_key", "past_value", "past_gate", "attention_mask",
          "cache_position", "window_starts"]  # fmt: skip
+PRO_NAMES = ["key_shift_logits", "past_key_shift", "value_shift_logits", "past_value_shift", "query_norm", "key_norm",
+             "output_norm", "output_gate_logits"]  # fmt: skip
 OUTPUTS = ["output", "present_key", "present_value", "present_gate"]
+SHIFT_OUTPUTS = ["present_key_shift", "present_value_shift"]
 
 
 @pytest.fixture(scope="module")
@@ -25,14 +29,19 @@ def library():
         pytest.skip(f"the fused attention library cannot be built here: {error}")
 
 
-def _session(library, heads: int, kv_heads: int, names: list[str] = NAMES) -> ort.InferenceSession:
+def _session(
+    library, heads: int, kv_heads: int, names: list[str] = NAMES, outputs: list[str] = OUTPUTS, **attributes
+) -> ort.InferenceSession:  # fmt: skip
     floats = {"query": 3, "key": 3, "value": 3, "gate_logits": 3, "gate_bias": 1, "past_key": 4, "past_value": 4,
-              "past_gate": 3}  # fmt: skip
+              "past_gate": 3, "key_shift_logits": 3, "past_key_shift": 2, "value_shift_logits": 3,
+              "past_value_shift": 2, "query_norm": 1, "key_norm": 1, "output_norm": 1, "output_gate_logits": 3}  # fmt: skip
     types = {**{n: (TensorProto.FLOAT, r) for n, r in floats.items()}, "attention_mask": (TensorProto.INT64, 2),
              "cache_position": (TensorProto.INT64, 1), "window_starts": (TensorProto.INT64, 1)}  # fmt: skip
     inputs = [helper.make_tensor_value_info(n, types[n][0], [None] * types[n][1]) for n in names if n]
-    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in OUTPUTS]
-    node = helper.make_node(OP_NAME, names, OUTPUTS, domain=DOMAIN, num_heads=heads, kv_num_heads=kv_heads)
+    node = helper.make_node(
+        OP_NAME, names, outputs, domain=DOMAIN, num_heads=heads, kv_num_heads=kv_heads, **attributes
+    )  # fmt: skip
+    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in outputs]
     model = helper.make_model(
         helper.make_graph([node], "fused", inputs, outputs),
         opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid(DOMAIN, OP_VERSION)], ir_version=10,
@@ -43,8 +52,27 @@ def _session(library, heads: int, kv_heads: int, names: list[str] = NAMES) -> or
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
-def naive(feeds: dict, heads: int, kv_heads: int) -> list[np.ndarray]:
-    """The op's contract, element by element in float64."""
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x.astype(np.float64)))
+
+
+def _shifted(raw: np.ndarray, logits: np.ndarray, state: np.ndarray, real: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A token shift: a r_{t-1} + (1 - a) r_t per kv head, r zero at padding and `state` before the first token."""
+    r = raw * real[..., None]
+    before = np.concatenate([state[:, None].astype(np.float64), r[:, :-1]], axis=1)
+    weight = np.repeat(_sigmoid(logits), raw.shape[-1] // logits.shape[-1], axis=-1)
+    return weight * before + (1 - weight) * r, r[:, -1]
+
+
+def _rms(x: np.ndarray, weight: np.ndarray, dim: int, eps: float) -> np.ndarray:
+    """Each head's channels of `[..., heads * dim]` over their RMS, times the weight (one head's, or every head's)."""
+    heads = x.reshape(*x.shape[:-1], -1, dim)
+    scaled = heads / np.sqrt((heads**2).mean(-1, keepdims=True) + eps) * weight.astype(np.float64).reshape(-1, dim)
+    return scaled.reshape(x.shape)
+
+
+def naive(feeds: dict, heads: int, kv_heads: int, silu: bool = False) -> list[np.ndarray]:
+    """The op's contract, element by element in float64 (QK-norm's epsilon 1e-5, the output norm's 1e-6)."""
     q, k, v = (feeds[n].astype(np.float64) for n in ("query", "key", "value"))
     past_key, past_value, past_gate = (feeds[n].astype(np.float64) for n in ("past_key", "past_value", "past_gate"))
     mask, positions = feeds["attention_mask"], feeds["cache_position"]
@@ -54,6 +82,17 @@ def naive(feeds: dict, heads: int, kv_heads: int) -> list[np.ndarray]:
     mask = np.broadcast_to(mask, (batch, window))
     logits = feeds["gate_logits"].astype(np.float64) + feeds.get("gate_bias", np.zeros(heads))  # [batch, seq, heads]
     real = mask[:, positions] > 0  # [batch, seq]: the new tokens that are not padding
+    states = []
+    if "key_shift_logits" in feeds:
+        k, state = _shifted(k, feeds["key_shift_logits"], feeds["past_key_shift"], real)
+        states.append(state)
+    if "value_shift_logits" in feeds:
+        v, state = _shifted(v, feeds["value_shift_logits"], feeds["past_value_shift"], real)
+        states.append(state)
+    if "query_norm" in feeds:
+        q = _rms(q, feeds["query_norm"], dim, 1e-5)
+    if "key_norm" in feeds:
+        k = _rms(k, feeds["key_norm"], dim, 1e-5)
     g = np.where(
         real[:, None, :], -np.logaddexp(0, -logits).transpose(0, 2, 1), 0.0
     )  # -softplus(-y) [batch, heads, seq]
@@ -80,7 +119,13 @@ def naive(feeds: dict, heads: int, kv_heads: int) -> list[np.ndarray]:
                 logits = keys[b, h // group, slots] @ queries[b, i, h] / np.sqrt(dim) + decay
                 weights = np.exp(logits - logits.max())
                 out[b, i, h] = weights @ values[b, h // group, slots] / weights.sum()
-    return [out.reshape(batch, seq, heads * dim), keys, values, gates]
+    out = out.reshape(batch, seq, heads * dim)
+    if "output_norm" in feeds:
+        out = _rms(out, feeds["output_norm"], dim, 1e-6)
+    if "output_gate_logits" in feeds:
+        z = feeds["output_gate_logits"].astype(np.float64)
+        out = out * (z * _sigmoid(z) if silu else _sigmoid(z))
+    return [out, keys, values, gates, *states]
 
 
 def _feeds(rng, batch, seq, heads, kv_heads, dim, past, window, starts, padding, position=None) -> dict:
@@ -189,3 +234,66 @@ def test_refuses_inputs_that_break_the_contract(library, change, message):
     feeds = _feeds(np.random.default_rng(3), 1, 2, 2, 2, 8, 12, 12, [0, 0], [0]) | change
     with pytest.raises(Exception, match=message):
         _session(library, 2, 2).run(None, feeds)
+
+
+def _pro_feeds(rng, batch, seq, heads, kv_heads, dim, shared: bool) -> dict:
+    """FoX-Pro's inputs: shift logits and past states, norm weights (one head's, or every head's), gate logits."""
+    width = kv_heads * dim
+    weight = {name: rng.uniform(0.5, 1.5, size=dim if shared else count * dim).astype(np.float32)
+              for name, count in (("query_norm", heads), ("key_norm", kv_heads), ("output_norm", heads))}  # fmt: skip
+    return weight | {
+        "key_shift_logits": rng.normal(0.0, 2.0, size=(batch, seq, kv_heads)).astype(np.float32),
+        "past_key_shift": rng.standard_normal((batch, width), dtype=np.float32),
+        "value_shift_logits": rng.normal(0.0, 2.0, size=(batch, seq, kv_heads)).astype(np.float32),
+        "past_value_shift": rng.standard_normal((batch, width), dtype=np.float32),
+        "output_gate_logits": rng.normal(0.0, 2.0, size=(batch, seq, heads * dim)).astype(np.float32),
+    }
+
+
+PRO_CASES = {
+    # name: batch, seq, heads, kv_heads, dim, past, window, starts, padding, shared norms, output gate activation
+    "prompt chunk, gqa, padding, per-head norms": (2, 21, 4, 2, 16, 30, 51, [0, 0], [0, 25], False, "sigmoid"),
+    "decode, heads apart, shared norms": (3, 1, 4, 2, 16, 64, 61, [0, 7], [0, 2, 9], True, "silu"),
+    "a padding query in a chunk": (1, 12, 2, 2, 8, 4, 12, [0, 0], [(6, 9)], True, "sigmoid"),
+}
+
+
+@pytest.mark.parametrize("case", PRO_CASES, ids=list(PRO_CASES))
+def test_fox_pro_work_matches_the_formula(library, case):
+    """The token shift (state carried in and out), QK-norm, output norm and gate, done inside the op."""
+    batch, seq, heads, kv_heads, dim, past, window, starts, padding, shared, activation = PRO_CASES[case]
+    rng = np.random.default_rng(len(case))
+    feeds = _feeds(rng, batch, seq, heads, kv_heads, dim, past, window, starts, padding)
+    feeds |= _pro_feeds(rng, batch, seq, heads, kv_heads, dim, shared)
+    outputs = OUTPUTS + SHIFT_OUTPUTS
+    session = _session(library, heads, kv_heads, NAMES + PRO_NAMES, outputs, output_gate_activation=activation)
+    expected = naive(feeds, heads, kv_heads, silu=activation == "silu")
+    for name, actual, wanted in zip(outputs, session.run(None, feeds), expected, strict=True):
+        assert actual.shape == wanted.shape, name
+        np.testing.assert_allclose(actual, wanted, rtol=0, atol=5e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("left_out", [["key_shift_logits", "past_key_shift"], ["query_norm", "output_gate_logits"]])
+def test_fox_pro_inputs_each_optional(library, left_out):
+    """Each piece of FoX-Pro's work is done only where its inputs are given; a shift's absent state output is empty."""
+    heads = kv_heads = 2
+    rng = np.random.default_rng(7)
+    feeds = _feeds(rng, 2, 5, heads, kv_heads, 8, 6, 11, [0, 0], [0, 3]) | _pro_feeds(rng, 2, 5, 2, 2, 8, False)
+    for name in left_out:
+        del feeds[name]
+    names = NAMES + [name if name in feeds else "" for name in PRO_NAMES]
+    got = _session(library, heads, kv_heads, names, OUTPUTS + SHIFT_OUTPUTS).run(None, feeds)
+    expected = naive(feeds, heads, kv_heads)
+    if "key_shift_logits" not in feeds:
+        assert got[4].shape == (2, 0)
+        got = got[:4] + got[5:]
+    for actual, wanted in zip(got, expected, strict=True):
+        np.testing.assert_allclose(actual, wanted, rtol=0, atol=5e-5)
+
+
+def test_refuses_a_shift_without_its_state(library):
+    feeds = _feeds(np.random.default_rng(8), 1, 2, 2, 2, 8, 12, 12, [0, 0], [0])
+    feeds["key_shift_logits"] = np.zeros((1, 2, 2), dtype=np.float32)
+    names = NAMES + ["key_shift_logits"]
+    with pytest.raises(Exception, match="logits and its past state together"):
+        _session(library, 2, 2, names, OUTPUTS + SHIFT_OUTPUTS).run(None, feeds)

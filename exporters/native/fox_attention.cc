@@ -1,8 +1,9 @@
-// FoX attention over the gated cache as one onnxruntime custom op: kvg.fox FoxAttention, version 1.
+// FoX attention over the gated cache as one onnxruntime custom op: kvg.fox FoxAttention, version 2.
 //
-// A layer's step in one node: the new keys, values and log forget gates are written into the cache buffers (in
-// place where the runtime binds one buffer as past and present), then every new query attends its head's own
-// window with the decay c_i - c_j added to its scaled scores:
+// A layer's step in one node: FoX-Pro's work before attention (token shift, QK-norm) on the new queries, keys and
+// values; the new keys, values and log forget gates written into the cache buffers (in place where the runtime binds
+// one buffer as past and present); every new query attending its head's own window with the decay c_i - c_j added
+// to its scaled scores; then FoX-Pro's output norm and output gate:
 //
 //   g_i = -softplus(-(z_i + b))   (0 for a padding token)
 //   logit_ij = q_i . k_j / sqrt(d) + sum_{l in (j, i]} g_l,   j <= i, j a real token or i itself,
@@ -20,10 +21,21 @@
 //   8 attention_mask [B or 1, W] int64: which window slots hold real tokens (0: padding, or another row's slot)
 //   9 cache_position [S] int64: the window slots of the new tokens, consecutive
 //   10 window_starts [K] int64, optional (absent: all 0)
-// Attributes: num_heads (H), kv_num_heads (K).
+//   FoX-Pro, each optional (absent: not done):
+//   11 key_shift_logits [B, S, K], 12 past_key_shift [B, K*D]: the key's token shift. With r_t the token's key (0 for
+//      a padding token) and a = sigmoid(logit) per kv head, the key is a r_{t-1} + (1 - a) r_t, r before the first
+//      new token being past_key_shift
+//   13 value_shift_logits [B, S, K], 14 past_value_shift [B, K*D]: the same for the value
+//   15 query_norm [D or H*D], 16 key_norm [D or K*D]: QK-norm, x / sqrt(mean(x^2) + qk_norm_epsilon) * weight per
+//      head, after the shift
+//   17 output_norm [D or H*D]: the same per head of the output (output_norm_epsilon)
+//   18 output_gate_logits [B, S, H*D]: the output times their activation (output_gate_activation)
+// Attributes: num_heads (H), kv_num_heads (K); qk_norm_epsilon (1e-5), output_norm_epsilon (1e-6),
+//   output_gate_activation ("sigmoid" or "silu").
 // Outputs: 0 output [B, S, H*D]; 1 present_key, 2 present_value [B, K, P, D]; 3 present_gate [B, H, P], where
-//   P = max(L, W - min(window_starts)). A present bound to its past's buffer is written in place; otherwise the
-//   past is copied into it first and its slots after the past are zero.
+//   P = max(L, W - min(window_starts)); optional 4 present_key_shift, 5 present_value_shift [B, K*D] (the last new
+//   token's r; [B, 0] without a shift). A present bound to its past's buffer is written in place; otherwise the past
+//   is copied into it first and its slots after the past are zero.
 //
 // Threads: onnxruntime's intra-op pool, across rows, heads and blocks of queries, and across blocks of keys
 // for a decode step's long window (split-K), whose partial softmaxes are then merged.
@@ -85,6 +97,12 @@ struct Problem {
   int64_t query_blocks, splits;
   std::vector<float> partial;   // split-K: per (row, head, query, split) the max, the sum and D accumulators
   float scale;
+  // FoX-Pro's work where the node has it (null: not done; see the contract): inputs 11 to 18, outputs 4 and 5
+  const float *key_shift_logits, *past_key_shift, *value_shift_logits, *past_value_shift;
+  const float *query_norm, *key_norm, *output_norm, *output_gate;
+  int64_t query_norm_size, key_norm_size, output_norm_size;
+  float *next_key_shift, *next_value_shift;
+  std::vector<float> prepared;  // the new queries, keys and values after the shift and QK-norm
 
   int64_t group() const { return heads / kv_heads; }
   int64_t start(int64_t head) const { return starts[head / group()]; }
@@ -102,6 +120,87 @@ struct Problem {
     return mine >= begin && mine < found ? mine : found;
   }
 };
+
+inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+
+// One head's `dim` channels scaled to unit RMS and by the norm's weights for that head (a shared norm's `size` is dim)
+void rms_normalize(float* x, int64_t dim, const float* norm, int64_t size, int64_t head, float eps) {
+  const float* weight = norm + (size == dim ? 0 : head * dim);
+  float squares = 0.0f;
+  for (int64_t d = 0; d < dim; ++d) squares += x[d] * x[d];
+  const float root = std::sqrt(squares / static_cast<float>(dim) + eps);
+  for (int64_t d = 0; d < dim; ++d) x[d] = x[d] / root * weight[d];
+}
+
+// A projection's token shift, row by row: `raw` [B, S, K*D] mixed with the token before's into `mixed`, and each
+// row's last r into `last` [B, K*D] (which may be `state`'s buffer: a row's state is read before its last is written)
+void shift(const Problem& p, const float* raw, const float* logits, const float* state, float* mixed, float* last) {
+  const int64_t width = p.kv_heads * p.dim;
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const float* before = state + b * width;
+    float kept_before = 1.0f;  // r of a padding token is 0
+    for (int64_t i = 0; i < p.seq; ++i) {
+      const int64_t token = b * p.seq + i;
+      const float* now = raw + token * width;
+      const float kept = p.real_of(b)[p.positions[i]] ? 1.0f : 0.0f;
+      for (int64_t h = 0; h < p.kv_heads; ++h) {
+        const float a = sigmoid(logits[token * p.kv_heads + h]);
+        for (int64_t d = h * p.dim; d < (h + 1) * p.dim; ++d)
+          mixed[token * width + d] = a * (kept_before * before[d]) + (1.0f - a) * (kept * now[d]);
+      }
+      before = now;
+      kept_before = kept;
+    }
+    if (last != nullptr)
+      for (int64_t d = 0; d < width; ++d) last[b * width + d] = kept_before * before[d];
+  }
+}
+
+// Each new token's heads of `x` ([B*S, heads*D]) normalized in place
+void normalize_heads(const Problem& p, float* x, int64_t heads, const float* norm, int64_t size, float eps) {
+  for (int64_t t = 0; t < p.batch * p.seq; ++t)
+    for (int64_t h = 0; h < heads; ++h) rms_normalize(x + (t * heads + h) * p.dim, p.dim, norm, size, h, eps);
+}
+
+// FoX-Pro's work before attention: the token shift of keys and values, then QK-norm; the attention then reads the
+// prepared copies
+void prepare(Problem& p, float eps) {
+  const bool norms = p.query_norm != nullptr || p.key_norm != nullptr;
+  if (p.key_shift_logits == nullptr && p.value_shift_logits == nullptr && !norms) return;
+  const int64_t tokens = p.batch * p.seq, query_width = p.heads * p.dim, width = p.kv_heads * p.dim;
+  p.prepared.resize(tokens * (query_width + 2 * width));
+  float* query = p.prepared.data();
+  float* key = query + tokens * query_width;
+  float* value = key + tokens * width;
+  if (p.key_shift_logits != nullptr) {
+    shift(p, p.key, p.key_shift_logits, p.past_key_shift, key, p.next_key_shift);
+    p.key = key;
+  }
+  if (p.value_shift_logits != nullptr) {
+    shift(p, p.value, p.value_shift_logits, p.past_value_shift, value, p.next_value_shift);
+    p.value = value;
+  }
+  if (p.query_norm != nullptr) {
+    std::copy(p.query, p.query + tokens * query_width, query);
+    normalize_heads(p, query, p.heads, p.query_norm, p.query_norm_size, eps);
+    p.query = query;
+  }
+  if (p.key_norm != nullptr) {
+    if (p.key != key) std::copy(p.key, p.key + tokens * width, key);
+    normalize_heads(p, key, p.kv_heads, p.key_norm, p.key_norm_size, eps);
+    p.key = key;
+  }
+}
+
+// FoX-Pro's work after attention: each head's output normalized, then times the output gate's activation
+void finish(const Problem& p, float eps, bool silu) {
+  if (p.output_norm != nullptr) normalize_heads(p, p.out, p.heads, p.output_norm, p.output_norm_size, eps);
+  if (p.output_gate == nullptr) return;
+  for (int64_t e = 0; e < p.batch * p.seq * p.heads * p.dim; ++e) {
+    const float z = p.output_gate[e];
+    p.out[e] *= silu ? z * sigmoid(z) : sigmoid(z);
+  }
+}
 
 // Scores of up to kQueryBlock queries (rows of `queries`, a multiple of kTileRows of them) against a block of keys
 // (`transposed`: dim rows of kKeyBlock), kTileRows queries by 16 keys at a time in registers
@@ -342,9 +441,8 @@ void carry_over(const float* past, float* present, int64_t outer, int64_t past_l
 struct FoxAttentionKernel {
   const OrtApi& api;
   int64_t heads, kv_heads;
-
-  FoxAttentionKernel(const OrtApi& api_, int64_t heads_, int64_t kv_heads_)
-      : api(api_), heads(heads_), kv_heads(kv_heads_) {}
+  float qk_norm_epsilon, output_norm_epsilon;
+  bool silu_gate;
 
   OrtStatusPtr fail(const std::string& message) const {
     return api.CreateStatus(ORT_INVALID_ARGUMENT, ("FoxAttention: " + message).c_str());
@@ -409,6 +507,7 @@ struct FoxAttentionKernel {
     for (int64_t h = 0; h < kv_heads; ++h)
       if (p.positions[0] < p.starts[h]) return fail("a new token lies before its head's window start");
     p.scale = 1.0f / std::sqrt(static_cast<float>(p.dim));
+    if (OrtStatusPtr refused = take_pro_inputs(context, p)) return refused;
 
     auto out = context.GetOutput(0, query);
     auto present_key = context.GetOutput(1, {p.batch, kv_heads, p.length, p.dim});
@@ -418,6 +517,17 @@ struct FoxAttentionKernel {
     p.keys = present_key.GetTensorMutableData<float>();
     p.values = present_value.GetTensorMutableData<float>();
     p.gates = present_gate.GetTensorMutableData<float>();
+    p.next_key_shift = p.next_value_shift = nullptr;
+    for (size_t index : {size_t{4}, size_t{5}})
+      if (context.GetOutputCount() > index) {
+        const bool shifted = (index == 4 ? p.key_shift_logits : p.value_shift_logits) != nullptr;
+        auto state = context.GetOutput(index, {p.batch, shifted ? kv_heads * p.dim : 0});
+        (index == 4 ? p.next_key_shift : p.next_value_shift) = shifted ? state.GetTensorMutableData<float>() : nullptr;
+      }
+    if ((p.key_shift_logits != nullptr && p.next_key_shift == nullptr) ||
+        (p.value_shift_logits != nullptr && p.next_value_shift == nullptr))
+      return fail("a token shift needs its present state among the outputs");
+    prepare(p, qk_norm_epsilon);
     carry_over(context.GetInput(5).GetTensorData<float>(), p.keys, p.batch * kv_heads, p.past, p.length, p.dim);
     carry_over(context.GetInput(6).GetTensorData<float>(), p.values, p.batch * kv_heads, p.past, p.length, p.dim);
     carry_over(context.GetInput(7).GetTensorData<float>(), p.gates, p.batch * heads, p.past, p.length, 1);
@@ -437,6 +547,41 @@ struct FoxAttentionKernel {
     if (p.splits > 1)
       parallel(context, p.batch * heads * p.seq, static_cast<double>(p.batch * heads * p.seq * p.splits * p.dim),
                [&p](int64_t index) { merge(p, index); });
+    finish(p, output_norm_epsilon, silu_gate);
+    return nullptr;
+  }
+
+  // Inputs 11 to 18 into the problem, their shapes checked (null where absent)
+  OrtStatusPtr take_pro_inputs(Ort::KernelContext& context, Problem& p) const {
+    auto data = [&](size_t index, const std::vector<int64_t>& expected) -> const float* {
+      if (context.GetInputCount() <= index || context.GetInput(index) == nullptr) return nullptr;
+      auto input = context.GetInput(index);
+      if (input.GetTensorTypeAndShapeInfo().GetShape() != expected) throw std::invalid_argument("");
+      return input.GetTensorData<float>();
+    };
+    auto norm = [&](size_t index, int64_t norm_heads, int64_t& size) -> const float* {
+      if (context.GetInputCount() <= index || context.GetInput(index) == nullptr) return nullptr;
+      auto input = context.GetInput(index);
+      size = input.GetTensorTypeAndShapeInfo().GetElementCount();
+      if (size != p.dim && size != norm_heads * p.dim) throw std::invalid_argument("");
+      return input.GetTensorData<float>();
+    };
+    const int64_t width = kv_heads * p.dim;
+    try {
+      p.key_shift_logits = data(11, {p.batch, p.seq, kv_heads});
+      p.past_key_shift = data(12, {p.batch, width});
+      p.value_shift_logits = data(13, {p.batch, p.seq, kv_heads});
+      p.past_value_shift = data(14, {p.batch, width});
+      p.query_norm = norm(15, heads, p.query_norm_size);
+      p.key_norm = norm(16, kv_heads, p.key_norm_size);
+      p.output_norm = norm(17, heads, p.output_norm_size);
+      p.output_gate = data(18, {p.batch, p.seq, heads * p.dim});
+    } catch (const std::invalid_argument&) {
+      return fail("FoX-Pro inputs (token shift, norms, output gate) of the wrong shape (see the op's contract)");
+    }
+    if ((p.key_shift_logits == nullptr) != (p.past_key_shift == nullptr) ||
+        (p.value_shift_logits == nullptr) != (p.past_value_shift == nullptr))
+      return fail("a token shift takes its logits and its past state together");
     return nullptr;
   }
 
@@ -462,6 +607,15 @@ struct FoxAttentionKernel {
   }
 };
 
+template <typename T>
+T attribute_or(const Ort::ConstKernelInfo& info, const char* name, T fallback) {
+  try {
+    return info.GetAttribute<T>(name);
+  } catch (const Ort::Exception&) {
+    return fallback;
+  }
+}
+
 struct FoxAttentionOp : Ort::CustomOpBase<FoxAttentionOp, FoxAttentionKernel, true> {
   OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
     try {
@@ -470,22 +624,29 @@ struct FoxAttentionOp : Ort::CustomOpBase<FoxAttentionOp, FoxAttentionKernel, tr
       const auto kv_heads = attributes.GetAttribute<int64_t>("kv_num_heads");
       if (heads < 1 || kv_heads < 1 || heads % kv_heads != 0)
         return api.CreateStatus(ORT_INVALID_ARGUMENT, "FoxAttention: num_heads must be a multiple of kv_num_heads");
-      *kernel = new FoxAttentionKernel(api, heads, kv_heads);
+      const auto activation = attribute_or<std::string>(attributes, "output_gate_activation", "sigmoid");
+      if (activation != "sigmoid" && activation != "silu")
+        return api.CreateStatus(ORT_INVALID_ARGUMENT, "FoxAttention: output_gate_activation is sigmoid or silu");
+      *kernel = new FoxAttentionKernel{api, heads, kv_heads, attribute_or(attributes, "qk_norm_epsilon", 1e-5f),
+                                       attribute_or(attributes, "output_norm_epsilon", 1e-6f), activation == "silu"};
       return nullptr;
     } catch (const Ort::Exception& error) {
       return api.CreateStatus(error.GetOrtErrorCode(), error.what());
     }
   }
   const char* GetName() const { return "FoxAttention"; }
-  size_t GetInputTypeCount() const { return 11; }
+  size_t GetInputTypeCount() const { return 19; }
   ONNXTensorElementDataType GetInputType(size_t index) const {
-    return index >= 8 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    return index >= 8 && index <= 10 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t index) const {
-    return index == 4 || index == 10 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+    return index == 4 || index >= 10 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
   }
-  size_t GetOutputTypeCount() const { return 4; }
+  size_t GetOutputTypeCount() const { return 6; }
   ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+  OrtCustomOpInputOutputCharacteristic GetOutputCharacteristic(size_t index) const {
+    return index >= 4 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+  }
 };
 
 }  // namespace
