@@ -54,10 +54,10 @@ def lower_decay_after(log_gates):
 
 def _attention_schema(
     name: str, domain: str, version: int, inputs: list[tuple[str, str]], required: int, outputs: list[str],
-    types: dict[str, list[str]],
+    types: dict[str, list[str]], attributes: dict[str, OpSchema.AttrType] | None = None,
 ) -> OpSchema:  # fmt: skip
     """A schema for an attention op onnx itself does not know (torch.onnx builds a node only from a schema): its
-    inputs in order, the first `required` of them required, and the heads as attributes."""
+    inputs in order, the first `required` of them required, and the heads and any other `attributes`."""
     option = OpSchema.FormalParameterOption
     return OpSchema(
         name,
@@ -70,10 +70,12 @@ def _attention_schema(
         outputs=[OpSchema.FormalParameter(output, "T") for output in outputs],
         type_constraints=[(kind, allowed, "") for kind, allowed in types.items()],
         attributes=[
-            OpSchema.Attribute("num_heads", OpSchema.AttrType.INT, ""),
-            OpSchema.Attribute("kv_num_heads", OpSchema.AttrType.INT, ""),
+            OpSchema.Attribute(attribute, kind, "")
+            for attribute, kind in {
+                "num_heads": OpSchema.AttrType.INT, "kv_num_heads": OpSchema.AttrType.INT, **(attributes or {})
+            }.items()
         ],
-    )
+    )  # fmt: skip
 
 
 # The part of onnxruntime's contrib schema this exporter uses: inputs in onnxruntime's order, up to attention_bias
@@ -95,21 +97,29 @@ FOX_ATTENTION = Op(
         OP_NAME, DOMAIN, OP_VERSION,
         [("query", "T"), ("key", "T"), ("value", "T"), ("gate_logits", "T"), ("gate_bias", "T"), ("past_key", "T"),
          ("past_value", "T"), ("past_gate", "T"), ("attention_mask", "P"), ("cache_position", "P"),
-         ("window_starts", "P")], 10,
-        ["output", "present_key", "present_value", "present_gate"],
+         ("window_starts", "P"), ("key_shift_logits", "T"), ("past_key_shift", "T"), ("value_shift_logits", "T"),
+         ("past_value_shift", "T"), ("query_norm", "T"), ("key_norm", "T"), ("output_norm", "T"),
+         ("output_gate_logits", "T")], 10,
+        ["output", "present_key", "present_value", "present_gate", "present_key_shift", "present_value_shift"],
         {"T": ["tensor(float)"], "P": ["tensor(int64)"]},
+        {"qk_norm_epsilon": OpSchema.AttrType.FLOAT, "output_norm_epsilon": OpSchema.AttrType.FLOAT,
+         "output_gate_activation": OpSchema.AttrType.STRING},
     ),
 )  # fmt: skip
 
 
 def lower_fox_attention(
     query, key, value, gate_logits, gate_bias, key_cache, value_cache, gate_cache, attention_mask, cache_position,
-    starts, heads: int, kv_heads: int,
+    starts, key_shift_logits, key_shift, value_shift_logits, value_shift, query_norm, key_norm, output_norm,
+    output_gate_logits, heads: int, kv_heads: int, qk_norm_epsilon: float, output_norm_epsilon: float,
+    output_gate_activation: str,
 ):  # fmt: skip
     """kvg::fox_attention as the fused operator, its inputs as they are."""
     return FOX_ATTENTION(
         query, key, value, gate_logits, gate_bias, key_cache, value_cache, gate_cache, attention_mask, cache_position,
-        starts, num_heads=heads, kv_num_heads=kv_heads,
+        starts, key_shift_logits, key_shift, value_shift_logits, value_shift, query_norm, key_norm, output_norm,
+        output_gate_logits, num_heads=heads, kv_num_heads=kv_heads, qk_norm_epsilon=qk_norm_epsilon,
+        output_norm_epsilon=output_norm_epsilon, output_gate_activation=output_gate_activation,
     )  # fmt: skip
 
 

@@ -34,7 +34,8 @@ def _session(
 ) -> ort.InferenceSession:  # fmt: skip
     floats = {"query": 3, "key": 3, "value": 3, "gate_logits": 3, "gate_bias": 1, "past_key": 4, "past_value": 4,
               "past_gate": 3, "key_shift_logits": 3, "past_key_shift": 2, "value_shift_logits": 3,
-              "past_value_shift": 2, "query_norm": 1, "key_norm": 1, "output_norm": 1, "output_gate_logits": 3}  # fmt: skip
+              "past_value_shift": 2, "query_norm": 1, "key_norm": 1, "output_norm": 1,
+              "output_gate_logits": 3}  # fmt: skip
     types = {**{n: (TensorProto.FLOAT, r) for n, r in floats.items()}, "attention_mask": (TensorProto.INT64, 2),
              "cache_position": (TensorProto.INT64, 1), "window_starts": (TensorProto.INT64, 1)}  # fmt: skip
     inputs = [helper.make_tensor_value_info(n, types[n][0], [None] * types[n][1]) for n in names if n]
@@ -294,6 +295,6 @@ def test_fox_pro_inputs_each_optional(library, left_out):
 def test_refuses_a_shift_without_its_state(library):
     feeds = _feeds(np.random.default_rng(8), 1, 2, 2, 2, 8, 12, 12, [0, 0], [0])
     feeds["key_shift_logits"] = np.zeros((1, 2, 2), dtype=np.float32)
-    names = NAMES + ["key_shift_logits"]
+    names = [*NAMES, "key_shift_logits"]
     with pytest.raises(Exception, match="logits and its past state together"):
         _session(library, 2, 2, names, OUTPUTS + SHIFT_OUTPUTS).run(None, feeds)

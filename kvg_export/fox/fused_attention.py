@@ -4,15 +4,18 @@ onnxruntime operator `kvg.fox FoxAttention` (exporters/native/fox_attention.cc h
 It takes the new queries, keys, values and forget-gate logits with the layer's key, value and gate buffers and the
 window's attention mask, writes the new entries into the buffers and attends each kv head's own window with the
 decay summed inside, so the graph around it carries no log gates, no gate scatter, no gate sums, no bias and no
-attention pattern. Here it is written with plain PyTorch, head by head, the decay summed in float64 as the operator
-sums it: the ExportedProgram is checked against eager FoX attention (kvg_export/fox/attention.py), an independent
-computation.
+attention pattern; and FoX-Pro's token shift, QK-norm, output norm and output gate, so that a FoX-Pro layer's graph
+is as short as a LLaMA's. Here it is written with plain PyTorch, head by head, the decay summed in float64 as the
+operator sums it: the ExportedProgram is checked against eager FoX attention (kvg_export/fox/attention.py), an
+independent computation.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from kvg_export.fox.layers import rms_normalize, token_shift
 
 
 @torch.library.custom_op("kvg::fox_attention", mutates_args=())
@@ -28,9 +31,20 @@ def fox_attention(
     attention_mask: torch.Tensor,
     cache_position: torch.Tensor,
     starts: torch.Tensor | None,
+    key_shift_logits: torch.Tensor | None,
+    key_shift: torch.Tensor | None,
+    value_shift_logits: torch.Tensor | None,
+    value_shift: torch.Tensor | None,
+    query_norm: torch.Tensor | None,
+    key_norm: torch.Tensor | None,
+    output_norm: torch.Tensor | None,
+    output_gate_logits: torch.Tensor | None,
     heads: int,
     kv_heads: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    qk_norm_epsilon: float,
+    output_norm_epsilon: float,
+    output_gate_activation: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """query `[batch, seq, heads*head_dim]`; key, value `[batch, seq, kv_heads*head_dim]`; gate_logits `[batch, seq,
     heads]`, the forget gate's pre-activation, and gate_bias `[heads]` or None (0; +inf: no forget gate) added to it:
     the new log gates are -softplus(-(logits + bias)), 0 for a padding token; the caches `[batch, kv_heads, past,
@@ -39,14 +53,24 @@ def fox_attention(
     window slots; starts `[kv_heads]` or None (all 0): kv head h's buffer rows begin `starts[h]` slots into the window,
     so its new entries go to slots `cache_position - starts[h]` and it attends its own slots only.
 
-    Returns the attention output `[batch, seq, heads*head_dim]` and the caches, `max(past, window - min(starts))`
-    long, the past's slots kept and the rest zero but for the new entries."""
+    FoX-Pro's work, each None where the model has none: the key's and value's token shift (`layers.token_shift`, its
+    logits `[batch, seq, kv_heads]` and the state before the step `[batch, kv_heads*head_dim]`), then QK-norm
+    (weights `[head_dim]` or one per head), and after attention the output norm and the output gate (its logits
+    `[batch, seq, heads*head_dim]` through `output_gate_activation`, sigmoid or silu).
+
+    Returns the attention output `[batch, seq, heads*head_dim]`, the caches, `max(past, window - min(starts))` long,
+    the past's slots kept and the rest zero but for the new entries, and the key's and value's shift states after
+    the step (`[batch, 0]` without a shift)."""
     batch, seq, _ = query.shape
     head_dim, past, window = key_cache.shape[-1], key_cache.shape[2], attention_mask.shape[-1]
     begins = [0] * kv_heads if starts is None else starts.tolist()
     length = max(past, window - min(begins))
     group = heads // kv_heads
     real = attention_mask.expand(batch, window) != 0
+    key, key_state = _shifted(key, key_shift_logits, key_shift, real[:, cache_position], kv_heads)
+    value, value_state = _shifted(value, value_shift_logits, value_shift, real[:, cache_position], kv_heads)
+    query = _normalized(query, query_norm, head_dim, qk_norm_epsilon)
+    key = _normalized(key, key_norm, head_dim, qk_norm_epsilon)
     logits = gate_logits.float() + (0.0 if gate_bias is None else gate_bias.float())
     log_gates = torch.where(real[:, cache_position, None], -F.softplus(-logits), 0.0).transpose(1, 2)
     caches = []
@@ -75,12 +99,32 @@ def fox_attention(
         scores = scores.masked_fill(~visible, float("-inf"))
         weights = torch.softmax(scores, dim=-1)
         out[:, :, query_heads] = (weights @ values[:, head, :width].float().unsqueeze(1)).transpose(1, 2).to(out.dtype)
-    return out.reshape(batch, seq, heads * head_dim), keys, values, gates
+    out = _normalized(out.flatten(2), output_norm, head_dim, output_norm_epsilon)
+    if output_gate_logits is not None:
+        activation = torch.sigmoid if output_gate_activation == "sigmoid" else F.silu
+        out = activation(output_gate_logits) * out
+    return out, keys, values, gates, key_state, value_state
+
+
+def _shifted(raw, logits, state, keep, kv_heads) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token shift where it is asked for, and the state after it (`[batch, 0]` where it is not)."""
+    if logits is None:
+        return raw, raw.new_zeros(raw.shape[0], 0)
+    mixed, last = token_shift(raw, logits, state, keep, kv_heads)
+    return mixed, last.clone()
+
+
+def _normalized(x: torch.Tensor, weight: torch.Tensor | None, head_dim: int, eps: float) -> torch.Tensor:
+    """Each head's channels of `[batch, seq, heads*head_dim]` through an RMS norm, where it has a weight."""
+    if weight is None:
+        return x
+    return rms_normalize(x.unflatten(-1, (-1, head_dim)), weight.view(-1, head_dim), eps).flatten(2)
 
 
 @fox_attention.register_fake
 def _(query, key, value, gate_logits, gate_bias, key_cache, value_cache, gate_cache, attention_mask, cache_position,
-      starts, heads, kv_heads):  # fmt: skip
+      starts, key_shift_logits, key_shift, value_shift_logits, value_shift, query_norm, key_norm, output_norm,
+      output_gate_logits, heads, kv_heads, qk_norm_epsilon, output_norm_epsilon, output_gate_activation):  # fmt: skip
     batch, kv_heads_, past, head_dim = key_cache.shape
     window = attention_mask.shape[-1]
     # A static buffer's length is a number no window exceeds; a dynamic past's is symbolic, and the window may be longer
@@ -90,4 +134,6 @@ def _(query, key, value, gate_logits, gate_bias, key_cache, value_cache, gate_ca
         key_cache.new_empty(batch, kv_heads_, length, head_dim),
         value_cache.new_empty(batch, kv_heads_, length, head_dim),
         gate_cache.new_empty(batch, gate_cache.shape[1], length),
+        key.new_empty(batch, 0 if key_shift_logits is None else key.shape[-1]),
+        value.new_empty(batch, 0 if value_shift_logits is None else value.shape[-1]),
     )

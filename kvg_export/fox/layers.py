@@ -50,14 +50,30 @@ class HeadRMSNorm(nn.Module):
         return rms_normalize(x, self.weight.view(-1, self.head_dim), self.eps)
 
 
-class ShiftLinear(nn.Module):
-    """A projection mixed with the previous token's projection by a per-head, per-token sigmoid weight.
+def token_shift(
+    raw: torch.Tensor, logits: torch.Tensor, previous: torch.Tensor | None, keep: torch.Tensor | None, heads: int
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """out_t = a_t * raw_{t-1} + (1 - a_t) * raw_t per head, with a = sigmoid(logits) `[batch, seq, heads]`.
 
-    out_t = a_t * raw_{t-1} + (1 - a_t) * raw_t with raw = linear(x), a = sigmoid(shift_proj(x)).
-    `previous` `[batch, out_features]` is raw of the token before this chunk (zeros at the start);
-    `keep` `[batch, seq]` zeroes raw at padding, so a left-padded row starts as if unpadded.
-    Returns the mixed projection and raw of the chunk's last token, the next chunk's `previous`.
+    `previous` `[batch, width]` is raw of the token before this chunk (zeros at the start); `keep` `[batch, seq]`
+    zeroes raw at padding, so a left-padded row starts as if unpadded. Returns the mixed `[batch, seq, width]` and raw
+    of the chunk's last token, the next chunk's `previous`.
     """
+    if keep is not None:
+        raw = raw * keep.unsqueeze(-1).to(raw.dtype)
+    if previous is None:
+        previous = raw.new_zeros(raw.shape[0], raw.shape[2])
+    before = torch.cat([previous.unsqueeze(1).to(raw.dtype), raw], dim=1)[:, :-1]
+    batch, seq, width = raw.shape
+    weight = torch.sigmoid(logits.float()).unsqueeze(-1)  # [batch, seq, heads, 1]
+    mixed = weight * before.float().view(batch, seq, heads, -1)
+    mixed = mixed + (1 - weight) * raw.float().view(batch, seq, heads, -1)
+    return mixed.view(batch, seq, width).to(raw.dtype), raw[:, -1]
+
+
+class ShiftLinear(nn.Module):
+    """A projection mixed with the previous token's projection by a per-head, per-token sigmoid weight:
+    `token_shift` of raw = linear(x) with logits shift_proj(x)."""
 
     def __init__(self, in_features: int, out_features: int, heads: int):
         super().__init__()
@@ -68,17 +84,7 @@ class ShiftLinear(nn.Module):
     def forward(
         self, x: torch.Tensor, previous: torch.Tensor | None, keep: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        raw = self.linear(x)
-        if keep is not None:
-            raw = raw * keep.unsqueeze(-1).to(raw.dtype)
-        if previous is None:
-            previous = raw.new_zeros(raw.shape[0], raw.shape[2])
-        before = torch.cat([previous.unsqueeze(1).to(raw.dtype), raw], dim=1)[:, :-1]
-        batch, seq, width = raw.shape
-        weight = torch.sigmoid(self.shift_proj(x).float()).unsqueeze(-1)  # [batch, seq, heads, 1]
-        mixed = weight * before.float().view(batch, seq, self.heads, -1)
-        mixed = mixed + (1 - weight) * raw.float().view(batch, seq, self.heads, -1)
-        return mixed.view(batch, seq, width).to(raw.dtype), raw[:, -1]
+        return token_shift(self.linear(x), self.shift_proj(x), previous, keep, self.heads)
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:

@@ -25,6 +25,7 @@ from kvg_export.fox.fused_attention import fox_attention
 from kvg_export.fox.in_place_attention import group_query_attention
 from kvg_export.fox.layers import QK_NORM_EPS, GatedMLP, HeadRMSNorm, RMSNorm, ShiftLinear, rotate
 
+SHIFTED = ("k_proj", "v_proj")  # the projections a token shift may mix, in SHIFT_FIELDS' order
 # With a cache, a longer input runs through the layers in chunks of this many tokens, as the runtime prefills
 PREFILL_CHUNK = 256
 
@@ -116,15 +117,15 @@ class ForgettingAttention(nn.Module):
         allowed `[batch or 1, 1, seq, window]` the attention pattern; `in_place` (True, or "fused"), `window_offsets`:
         see `_attend_in_place`."""
         batch, seq, _ = x.shape
+        starts = None if window_offsets is None else window_offsets[self.layer_idx]
+        if in_place == "fused":  # `allowed` is then the window's attention mask, from which the op builds the pattern
+            return self.o_proj(self._attend_fused(x, positions, cache_position, keep, allowed, cache, starts))
         query = self.q_proj(x)  # [batch, seq, heads * head_dim]; keys and values likewise with kv_heads
         keys = self._project("k_proj", x, keep, cache)
         values = self._project("v_proj", x, keep, cache)
         if self.config.qk_norm or self.config.use_rope:
             query, keys = self._per_head(query, keys, positions)
-        starts = None if window_offsets is None else window_offsets[self.layer_idx]
-        if in_place == "fused":  # `allowed` is then the window's attention mask, from which the op builds the pattern
-            out = self._attend_fused(query, keys, values, x, cache_position, allowed, cache, starts)
-        elif in_place:
+        if in_place:
             log_gates = self._masked_log_gates(x, keep)
             out = self._attend_in_place(query, keys, values, log_gates, cache_position, allowed, cache, starts)
         else:
@@ -153,25 +154,57 @@ class ForgettingAttention(nn.Module):
             return zeros, torch.full((self.heads,), float("inf"), device=x.device)
         return zeros, self.fgate_bias.float()
 
-    def _attend_fused(self, query, keys, values, x, cache_position, attention_mask, cache, starts):
+    def _attend_fused(self, x, positions, cache_position, keep, attention_mask, cache, starts) -> torch.Tensor:
         """A step as one `kvg::fox_attention` op, which the exporter lowers to the fused FoX operator: it computes the
         log forget gates from their logits, writes them, the keys and the values into the cache buffers itself, and
         attends each kv head's own window (`starts` as in `_attend_in_place`) with the pattern it builds from the
-        window's `attention_mask` `[batch or 1, window]`. Takes and returns the `[batch, seq, heads * head_dim]`
-        layout."""
+        window's `attention_mask` `[batch or 1, window]`; and it does FoX-Pro's token shift (its states read from and
+        stored in the cache), QK-norm, output norm and output gate. With RoPE, which turns queries and keys between
+        QK-norm and attention, the shift and QK-norm stay outside. Returns the `[batch, seq, heads * head_dim]` input
+        of o_proj."""
         if cache is None:
             raise ValueError("fused attention needs a cache to write to")
         _check_consecutive(cache_position)
+        query = self.q_proj(x)
+        before = (None, None, None, None, None, None)  # each shift's logits and state, the QK-norm weights
+        if self.config.use_rope:
+            keys, values = self._project("k_proj", x, keep, cache), self._project("v_proj", x, keep, cache)
+            query, keys = self._per_head(query, keys, positions)
+        else:
+            (keys, *key_shift), (values, *value_shift) = (self._shift_inputs(name, x, cache) for name in SHIFTED)
+            norms = (self.q_norm.weight, self.k_norm.weight) if self.config.qk_norm else (None, None)
+            before = (*key_shift, *value_shift, *norms)
+        after = (
+            self.output_norm.weight if self.config.use_output_norm else None,
+            self.ogate_proj(x) if self.config.use_output_gate else None,
+        )
         per_head = [t.unflatten(-1, (self.kv_heads, self.head_dim)).transpose(1, 2) for t in (keys, values)]
         gate_logits, gate_bias = self._gate_logits(x)
         new_gates = gate_logits.transpose(1, 2)  # for the cache's checks of the new entries' shapes
         buffers = cache.buffers(*per_head, new_gates, self.layer_idx, {"cache_position": cache_position})
-        out, *buffers = fox_attention(
-            query, keys, values, gate_logits, gate_bias, *buffers, attention_mask, cache_position, starts, self.heads,
-            self.kv_heads,
+        out, *buffers, key_state, value_state = fox_attention(
+            query, keys, values, gate_logits, gate_bias, *buffers, attention_mask, cache_position, starts, *before,
+            *after, self.heads, self.kv_heads, QK_NORM_EPS, self.config.norm_eps,
+            "sigmoid" if self.config.ogate_act == "sigmoid" else "silu",
         )  # fmt: skip
         cache.set_keys_values(self.layer_idx, *buffers)
+        shifted = [before[0] is not None, before[2] is not None]
+        if any(shifted):
+            states = (state if done else None for state, done in zip((key_state, value_state), shifted, strict=True))
+            cache.update_shift(self.layer_idx, *states)
         return out
+
+    def _shift_inputs(self, name: str, x: torch.Tensor, cache: GatedCache):
+        """k or v projection as the fused op takes it: the projection, and with a token shift its logits and the
+        cached state before this step (zeros before the first)."""
+        projection = getattr(self, name)
+        if not isinstance(projection, ShiftLinear):
+            return projection(x), None, None
+        raw = projection.linear(x)
+        previous = cache.shift_states(self.layer_idx)[SHIFTED.index(name)]
+        if previous is None:
+            previous = raw.new_zeros(raw.shape[0], raw.shape[2])
+        return raw, projection.shift_proj(x), previous
 
     def _per_head(self, query, keys, positions) -> tuple[torch.Tensor, torch.Tensor]:
         """QK-norm and RoPE, which work head by head; in and out `[batch, seq, heads * head_dim]`."""
