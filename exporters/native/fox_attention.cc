@@ -239,6 +239,57 @@ void value_tile(const float* weights, int64_t rows, const float* values, int64_t
     }
 }
 
+// One query's scores against `count` keys, 8 keys at a time: a dot product's additions form a chain, and eight
+// independent chains keep the multiply-add units busy where one would wait on each
+void score_row(const float* query, const float* keys, int64_t count, int64_t dim, float* out) {
+  const int64_t body = dim / 8 * 8;
+  int64_t j = 0;
+  for (; j + 8 <= count; j += 8) {
+    float acc[8][8] = {};
+    for (int64_t d0 = 0; d0 < body; d0 += 8)
+      for (int r = 0; r < 8; ++r) {
+        const float* k = keys + (j + r) * dim + d0;
+#pragma omp simd
+        for (int c = 0; c < 8; ++c) acc[r][c] += query[d0 + c] * k[c];
+      }
+    for (int r = 0; r < 8; ++r) {
+      float dot = 0.0f;
+      for (int c = 0; c < 8; ++c) dot += acc[r][c];
+      for (int64_t d = body; d < dim; ++d) dot += query[d] * keys[(j + r) * dim + d];
+      out[j + r] = dot;
+    }
+  }
+  for (; j < count; ++j) {
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t d = 0; d < dim; ++d) dot += query[d] * keys[j * dim + d];
+    out[j] = dot;
+  }
+}
+
+// acc[d] += sum_j weights[j] values[j, d] for channels [d0, dim) in runs of kWidth held in registers across the keys;
+// returns where the runs stopped
+template <int64_t kWidth>
+int64_t add_weighted(const float* weights, const float* values, int64_t count, int64_t dim, int64_t d0, float* acc) {
+  for (; d0 + kWidth <= dim; d0 += kWidth) {
+    float sum[kWidth] = {};
+    for (int64_t j = 0; j < count; ++j) {
+      const float w = weights[j];
+      const float* v = values + j * dim + d0;
+#pragma omp simd
+      for (int64_t c = 0; c < kWidth; ++c) sum[c] += w * v[c];
+    }
+    for (int64_t c = 0; c < kWidth; ++c) acc[d0 + c] += sum[c];
+  }
+  return d0;
+}
+
+// One query's weighted values over `count` keys into acc
+void value_row(const float* weights, const float* values, int64_t count, int64_t dim, float* acc) {
+  const int64_t d = add_weighted<8>(weights, values, count, dim, add_weighted<64>(weights, values, count, dim, 0, acc), acc);
+  add_weighted<1>(weights, values, count, dim, d, acc);
+}
+
 // A task's working memory, kept by each thread between runs: a decode step allocates nothing
 struct Scratch {
   std::vector<float> floats;
@@ -313,13 +364,7 @@ void attend(Problem& p, int64_t task) {
       }
       score_tile(queries, rows, transposed, padded, dim, scores);
     } else {
-      for (int64_t j = 0; j < seen_by[0]; ++j) {
-        const float* k = block_keys + j * dim;
-        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < dim; ++d) dot += queries[d] * k[d];
-        scores[j] = dot;
-      }
+      score_row(queries, block_keys, seen_by[0], dim, scores);
     }
     // The block's gate sums from its first slot, each rounded once from double: a query's decay to key j is then
     // its own sum less key j's, both small where the weights are not
@@ -357,7 +402,9 @@ void attend(Problem& p, int64_t task) {
       maxima[i] = new_max;
       for (int64_t d = 0; d < dim; ++d) acc[i * dim + d] *= correction;
     }
-    if (tiled && dim % 16 == 0) {
+    if (!tiled) {
+      value_row(scores, block_values, seen_by[0], dim, acc);
+    } else if (dim % 16 == 0) {
       value_tile(scores, rows, block_values, width, dim, acc);
     } else {
       for (int64_t i = 0; i < count; ++i)
