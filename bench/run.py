@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import filecmp
 import json
 import os
 import platform
@@ -149,6 +150,15 @@ def settle(pid: int) -> None:
         time.sleep(QUIET_S)
 
 
+def _current_library(folder: Path) -> bool:
+    """Whether a fused artifact carries the operator as this checkout builds it (else it is exported anew, so that a
+    benchmark never times an old kernel)."""
+    from exporters.native_library import LIBRARY_NAME, build
+
+    carried = folder / LIBRARY_NAME
+    return carried.is_file() and filecmp.cmp(carried, build(), shallow=False)
+
+
 def artifact(
     model: str, cache: str, length: int | None, attention: str, quantize: str | None = None, prune: float | None = None
 ) -> str:  # fmt: skip
@@ -164,7 +174,7 @@ def artifact(
     parts = [model, cache, *([str(length)] if length else []), attention, *([quantize] if quantize else [])]
     parts += [f"prune{prune:g}"] if prune is not None else []
     out = ARTIFACTS / "-".join(parts)
-    if not (out / "kvg_config.json").is_file():
+    if not (out / "kvg_config.json").is_file() or (attention == "fused" and not _current_library(out)):
         print(f"exporting {out.name} ...", flush=True)
         quantization, quality = None, QualityOptions()
         if quantize:
