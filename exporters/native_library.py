@@ -30,7 +30,10 @@ HEADER = "onnxruntime_cxx_api.h"
 INSTALLED_HEADERS = Path("/usr/include/onnxruntime")
 DEBIAN = "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian trixie main"
 HEADER_PACKAGE = "libonnxruntime-dev"
-FLAGS = ["-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp-simd", "-fno-math-errno", "-fvisibility=hidden"]
+# -fno-trapping-math: the softmax's clamps and selects may then be computed for every lane, which is what lets the
+# compiler vectorize its loops at all (with it, a 256-query chunk's exponentials are a quarter of the time, not half)
+FLAGS = ["-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
+         "-fvisibility=hidden"]  # fmt: skip
 
 
 class NativeUnavailable(Exception):

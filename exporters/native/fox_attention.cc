@@ -240,18 +240,19 @@ void value_tile(const float* weights, int64_t rows, const float* values, int64_t
 }
 
 // One query's scores against `count` keys, 8 keys at a time: a dot product's additions form a chain, and eight
-// independent chains keep the multiply-add units busy where one would wait on each
+// independent chains (read key after key, as the keys lie in memory) keep the multiply-add units busy where one
+// would wait on each
 void score_row(const float* query, const float* keys, int64_t count, int64_t dim, float* out) {
   const int64_t body = dim / 8 * 8;
   int64_t j = 0;
   for (; j + 8 <= count; j += 8) {
     float acc[8][8] = {};
-    for (int64_t d0 = 0; d0 < body; d0 += 8)
-      for (int r = 0; r < 8; ++r) {
-        const float* k = keys + (j + r) * dim + d0;
+    for (int r = 0; r < 8; ++r) {
+      const float* k = keys + (j + r) * dim;
+      for (int64_t d0 = 0; d0 < body; d0 += 8)
 #pragma omp simd
-        for (int c = 0; c < 8; ++c) acc[r][c] += query[d0 + c] * k[c];
-      }
+        for (int c = 0; c < 8; ++c) acc[r][c] += query[d0 + c] * k[d0 + c];
+    }
     for (int r = 0; r < 8; ++r) {
       float dot = 0.0f;
       for (int c = 0; c < 8; ++c) dot += acc[r][c];
@@ -357,11 +358,8 @@ void attend(Problem& p, int64_t task) {
     const float* block_values = values + begin * dim;
     if (tiled) {  // the scores as a small matrix product over the transposed keys
       const int64_t padded = (width + 15) / 16 * 16;
-      for (int64_t d = 0; d < dim; ++d) {
-        float* column = transposed + d * kKeyBlock;
-        for (int64_t j = 0; j < width; ++j) column[j] = block_keys[j * dim + d];
-        std::fill(column + width, column + padded, 0.0f);
-      }
+      for (int64_t j = 0; j < padded; ++j)  // read along the keys' rows; the writes' lines stay in L1
+        for (int64_t d = 0; d < dim; ++d) transposed[d * kKeyBlock + j] = j < width ? block_keys[j * dim + d] : 0.0f;
       score_tile(queries, rows, transposed, padded, dim, scores);
     } else {
       score_row(queries, block_keys, seen_by[0], dim, scores);
