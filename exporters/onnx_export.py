@@ -23,6 +23,7 @@ from exporters.fuse_projections import fuse_projections
 from exporters.in_place_scatter import scatter_in_place
 from exporters.last_logits import keep_last_logits
 from exporters.lean_gates import lean_gates
+from exporters.pack_attention import pack_attention_inputs
 from exporters.translations import translations
 from exporters.window_offsets import NAME as WINDOW_OFFSETS
 from exporters.window_offsets import default_to_zeros, name_present_axes
@@ -189,6 +190,8 @@ def lower_to_onnx(
         value.shape = ir.Shape([name or dim for name, dim in zip(axes, value.shape, strict=True)])
     name_by_module(graph)
     joined = fuse_projections(graph, lambda node: keep_apart(node.name))
+    if attention == "fused":
+        pack_attention_inputs(graph)
     norms = fuse_residual_norms(onnx_program.model)
     head_norms = fusable_head_norms(onnx_program.model)
     leaner = lean_gates(onnx_program.model)

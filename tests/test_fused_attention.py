@@ -298,3 +298,32 @@ def test_refuses_a_shift_without_its_state(library):
     names = [*NAMES, "key_shift_logits"]
     with pytest.raises(Exception, match="logits and its past state together"):
         _session(library, 2, 2, names, OUTPUTS + SHIFT_OUTPUTS).run(None, feeds)
+
+
+PACKED = ["query", "key", "value", "gate_logits", "key_shift_logits", "value_shift_logits", "output_gate_logits"]
+
+
+@pytest.mark.parametrize("pro", [False, True], ids=["fox", "fox-pro"])
+def test_reads_its_inputs_from_the_joined_projection(library, pro):
+    """packed_offsets: input 0 is the layer's joined projection (its parts in any order, among other columns), and
+    the op reads each part from its columns as it would from its own input."""
+    heads, kv_heads, dim = 4, 2, 8
+    rng = np.random.default_rng(9)
+    feeds = _feeds(rng, 2, 6, heads, kv_heads, dim, 10, 16, [0, 0], [0, 4])
+    if pro:
+        feeds |= _pro_feeds(rng, 2, 6, heads, kv_heads, dim, False)
+    parts = [name for name in PACKED if name in feeds]
+    order = [parts[i] for i in rng.permutation(len(parts))]
+    columns, offsets, width = [], {}, 0
+    for name in order:
+        columns += [rng.standard_normal((2, 6, 3), dtype=np.float32), feeds[name]]  # 3 columns of something else
+        offsets[name] = width + 3
+        width += 3 + feeds[name].shape[-1]
+    packed = {"query": np.concatenate(columns, axis=-1)} | {n: v for n, v in feeds.items() if n not in PACKED}
+    names = [name if name in packed and name not in PACKED[1:] else "" for name in NAMES + PRO_NAMES]
+    outputs = OUTPUTS + (SHIFT_OUTPUTS if pro else [])
+    session = _session(library, heads, kv_heads, names, outputs,
+                       packed_offsets=[offsets.get(name, -1) for name in PACKED])  # fmt: skip
+    expected = naive(feeds, heads, kv_heads)
+    for name, actual, wanted in zip(outputs, session.run(None, packed), expected, strict=True):
+        np.testing.assert_allclose(actual, wanted, rtol=0, atol=5e-5, err_msg=name)

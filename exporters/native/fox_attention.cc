@@ -31,7 +31,10 @@
 //   17 output_norm [D or H*D]: the same per head of the output (output_norm_epsilon)
 //   18 output_gate_logits [B, S, H*D]: the output times their activation (output_gate_activation)
 // Attributes: num_heads (H), kv_num_heads (K); qk_norm_epsilon (1e-5), output_norm_epsilon (1e-6),
-//   output_gate_activation ("sigmoid" or "silu").
+//   output_gate_activation ("sigmoid" or "silu"); packed_offsets, optional: 7 column offsets (-1: not packed) of
+//   query, key, value, gate_logits, key_shift_logits, value_shift_logits and output_gate_logits in input 0, which is
+//   then the layer's joined projection [B, S, N] holding them side by side (their own inputs left out), so that the
+//   graph needs no Split to cut it.
 // Outputs: 0 output [B, S, H*D]; 1 present_key, 2 present_value [B, K, P, D]; 3 present_gate [B, H, P], where
 //   P = max(L, W - min(window_starts)); optional 4 present_key_shift, 5 present_value_shift [B, K*D] (the last new
 //   token's r; [B, 0] without a shift). A present bound to its past's buffer is written in place; otherwise the past
@@ -45,6 +48,7 @@
 #undef ORT_API_MANUAL_INIT
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -83,6 +87,15 @@ inline float exp_approx(float x) {
   return x < -87.33654f ? 0.0f : y * scale;
 }
 
+constexpr size_t kInputs = 19;
+constexpr size_t kPacked[] = {0, 1, 2, 3, 11, 13, 18};  // the inputs packed_offsets places, in its order
+
+// A float input as the kernel reads it: its own tensor, or its columns of the joined projection copied out
+struct View {
+  const float* data = nullptr;
+  std::vector<int64_t> shape;
+};
+
 // One run's shapes, pointers and working buffers. Each calling thread keeps one between runs (see `compute`), so
 // that a decode step reuses the buffers' memory rather than allocating it: every field is set anew each run.
 struct Problem {
@@ -103,6 +116,8 @@ struct Problem {
   int64_t query_norm_size, key_norm_size, output_norm_size;
   float *next_key_shift, *next_value_shift;
   std::vector<float> prepared;  // the new queries, keys and values after the shift and QK-norm
+  std::array<View, kInputs> inputs;
+  std::vector<float> unpacked;  // the packed inputs' columns, one after another
 
   int64_t group() const { return heads / kv_heads; }
   int64_t start(int64_t head) const { return starts[head / group()]; }
@@ -488,6 +503,7 @@ struct FoxAttentionKernel {
   int64_t heads, kv_heads;
   float qk_norm_epsilon, output_norm_epsilon;
   bool silu_gate;
+  std::vector<int64_t> packed;  // packed_offsets, or empty
 
   OrtStatusPtr fail(const std::string& message) const {
     return api.CreateStatus(ORT_INVALID_ARGUMENT, ("FoxAttention: " + message).c_str());
@@ -505,15 +521,19 @@ struct FoxAttentionKernel {
 
   OrtStatusPtr compute(OrtKernelContext* raw) {
     Ort::KernelContext context(raw);
-    auto shape = [&](size_t index) { return context.GetInput(index).GetTensorTypeAndShapeInfo().GetShape(); };
+    thread_local Problem kept;
+    Problem& p = kept;  // the workers' tasks capture this reference: they read the calling thread's run
+    if (OrtStatusPtr refused = view_inputs(context, p)) return refused;
+    auto shape = [&](size_t index) {
+      return index >= 8 && index <= 10 ? context.GetInput(index).GetTensorTypeAndShapeInfo().GetShape()
+                                       : p.inputs[index].shape;
+    };
     auto given = [&](size_t index) { return context.GetInputCount() > index && context.GetInput(index) != nullptr; };
     const auto query = shape(0), key = shape(1), logits = shape(3), past_key = shape(5), past_gate = shape(7),
                mask = shape(8), positions = shape(9);
     if (query.size() != 3 || key.size() != 3 || shape(2) != key || logits.size() != 3 || past_key.size() != 4 ||
         shape(6) != past_key || past_gate.size() != 3 || mask.size() != 2 || positions.size() != 1)
       return fail("inputs of the wrong rank (see the op's contract)");
-    thread_local Problem kept;
-    Problem& p = kept;  // the workers' tasks capture this reference: they read the calling thread's run
     p.batch = query[0];
     p.seq = query[1];
     p.heads = heads;
@@ -527,7 +547,7 @@ struct FoxAttentionKernel {
         positions[0] != p.seq || (given(4) && shape(4) != std::vector<int64_t>{heads}))
       return fail("input shapes do not agree (see the op's contract)");
     p.gate_bias.assign(heads, 0.0f);
-    if (given(4)) std::memcpy(p.gate_bias.data(), context.GetInput(4).GetTensorData<float>(), heads * sizeof(float));
+    if (given(4)) std::memcpy(p.gate_bias.data(), p.inputs[4].data, heads * sizeof(float));
     p.starts.assign(kv_heads, 0);
     if (given(10)) {
       if (shape(10) != std::vector<int64_t>{kv_heads}) return fail("window_starts must be [kv_num_heads]");
@@ -537,10 +557,10 @@ struct FoxAttentionKernel {
     if (earliest < 0 || *std::max_element(p.starts.begin(), p.starts.end()) >= p.window)
       return fail("window_starts must lie inside the window");
     p.length = std::max(p.past, p.window - earliest);
-    p.query = context.GetInput(0).GetTensorData<float>();
-    p.key = context.GetInput(1).GetTensorData<float>();
-    p.value = context.GetInput(2).GetTensorData<float>();
-    p.gate_logits = context.GetInput(3).GetTensorData<float>();
+    p.query = p.inputs[0].data;
+    p.key = p.inputs[1].data;
+    p.value = p.inputs[2].data;
+    p.gate_logits = p.inputs[3].data;
     const int64_t* flags = context.GetInput(8).GetTensorData<int64_t>();
     p.real.resize(p.batch * p.window);
     for (int64_t b = 0; b < p.batch; ++b)
@@ -552,7 +572,7 @@ struct FoxAttentionKernel {
     for (int64_t h = 0; h < kv_heads; ++h)
       if (p.positions[0] < p.starts[h]) return fail("a new token lies before its head's window start");
     p.scale = 1.0f / std::sqrt(static_cast<float>(p.dim));
-    if (OrtStatusPtr refused = take_pro_inputs(context, p)) return refused;
+    if (OrtStatusPtr refused = take_pro_inputs(p)) return refused;
 
     auto out = context.GetOutput(0, query);
     auto present_key = context.GetOutput(1, {p.batch, kv_heads, p.length, p.dim});
@@ -573,9 +593,9 @@ struct FoxAttentionKernel {
         (p.value_shift_logits != nullptr && p.next_value_shift == nullptr))
       return fail("a token shift needs its present state among the outputs");
     prepare(p, qk_norm_epsilon);
-    carry_over(context.GetInput(5).GetTensorData<float>(), p.keys, p.batch * kv_heads, p.past, p.length, p.dim);
-    carry_over(context.GetInput(6).GetTensorData<float>(), p.values, p.batch * kv_heads, p.past, p.length, p.dim);
-    carry_over(context.GetInput(7).GetTensorData<float>(), p.gates, p.batch * heads, p.past, p.length, 1);
+    carry_over(p.inputs[5].data, p.keys, p.batch * kv_heads, p.past, p.length, p.dim);
+    carry_over(p.inputs[6].data, p.values, p.batch * kv_heads, p.past, p.length, p.dim);
+    carry_over(p.inputs[7].data, p.gates, p.batch * heads, p.past, p.length, 1);
     write_new(p);
 
     const int64_t longest = p.window - earliest;
@@ -596,20 +616,56 @@ struct FoxAttentionKernel {
     return nullptr;
   }
 
-  // Inputs 11 to 18 into the problem, their shapes checked (null where absent)
-  OrtStatusPtr take_pro_inputs(Ort::KernelContext& context, Problem& p) const {
-    auto data = [&](size_t index, const std::vector<int64_t>& expected) -> const float* {
-      if (context.GetInputCount() <= index || context.GetInput(index) == nullptr) return nullptr;
+  // The float inputs as the kernel reads them: each its own tensor, or (packed_offsets) its columns of input 0
+  OrtStatusPtr view_inputs(Ort::KernelContext& context, Problem& p) const {
+    for (size_t index = 0; index < kInputs; ++index) {
+      p.inputs[index] = View{};
+      if ((index >= 8 && index <= 10) || context.GetInputCount() <= index || context.GetInput(index) == nullptr)
+        continue;
       auto input = context.GetInput(index);
-      if (input.GetTensorTypeAndShapeInfo().GetShape() != expected) throw std::invalid_argument("");
-      return input.GetTensorData<float>();
+      p.inputs[index] = View{input.GetTensorData<float>(), input.GetTensorTypeAndShapeInfo().GetShape()};
+    }
+    if (packed.empty()) {
+      for (size_t index : {1, 2, 3})
+        if (p.inputs[index].data == nullptr) return fail("key, value and gate_logits are inputs unless packed_offsets places them");
+      return nullptr;
+    }
+    const View joined = p.inputs[0];
+    if (joined.shape.size() != 3 || p.inputs[5].shape.size() != 4)
+      return fail("inputs of the wrong rank (see the op's contract)");
+    const int64_t dim = p.inputs[5].shape[3], rows = joined.shape[0] * joined.shape[1], total = joined.shape[2];
+    const int64_t widths[] = {heads * dim, kv_heads * dim, kv_heads * dim, heads, kv_heads, kv_heads, heads * dim};
+    int64_t needed = 0;
+    for (size_t k = 0; k < packed.size(); ++k) {
+      if (packed[k] < 0) continue;
+      if (packed[k] + widths[k] > total) return fail("packed_offsets reach past the joined projection");
+      needed += rows * widths[k];
+    }
+    p.unpacked.resize(needed);
+    float* into = p.unpacked.data();
+    for (size_t k = 0; k < packed.size(); ++k) {
+      if (packed[k] < 0) continue;
+      for (int64_t r = 0; r < rows; ++r)
+        std::memcpy(into + r * widths[k], joined.data + r * total + packed[k], widths[k] * sizeof(float));
+      p.inputs[kPacked[k]] = View{into, {joined.shape[0], joined.shape[1], widths[k]}};
+      into += rows * widths[k];
+    }
+    return nullptr;
+  }
+
+  // Inputs 11 to 18 into the problem, their shapes checked (null where absent)
+  OrtStatusPtr take_pro_inputs(Problem& p) const {
+    auto data = [&](size_t index, const std::vector<int64_t>& expected) -> const float* {
+      const View& input = p.inputs[index];
+      if (input.data != nullptr && input.shape != expected) throw std::invalid_argument("");
+      return input.data;
     };
     auto norm = [&](size_t index, int64_t norm_heads, int64_t& size) -> const float* {
-      if (context.GetInputCount() <= index || context.GetInput(index) == nullptr) return nullptr;
-      auto input = context.GetInput(index);
-      size = input.GetTensorTypeAndShapeInfo().GetElementCount();
-      if (size != p.dim && size != norm_heads * p.dim) throw std::invalid_argument("");
-      return input.GetTensorData<float>();
+      const View& input = p.inputs[index];
+      size = 1;
+      for (int64_t extent : input.shape) size *= extent;
+      if (input.data != nullptr && size != p.dim && size != norm_heads * p.dim) throw std::invalid_argument("");
+      return input.data;
     };
     const int64_t width = kv_heads * p.dim;
     try {
@@ -672,8 +728,16 @@ struct FoxAttentionOp : Ort::CustomOpBase<FoxAttentionOp, FoxAttentionKernel, tr
       const auto activation = attribute_or<std::string>(attributes, "output_gate_activation", "sigmoid");
       if (activation != "sigmoid" && activation != "silu")
         return api.CreateStatus(ORT_INVALID_ARGUMENT, "FoxAttention: output_gate_activation is sigmoid or silu");
+      std::vector<int64_t> packed;
+      try {
+        packed = attributes.GetAttributes<int64_t>("packed_offsets");
+      } catch (const Ort::Exception&) {
+      }
+      if (!packed.empty() && (packed.size() != std::size(kPacked) || packed[0] < 0))
+        return api.CreateStatus(ORT_INVALID_ARGUMENT, "FoxAttention: packed_offsets holds 7 offsets, the query's first");
       *kernel = new FoxAttentionKernel{api, heads, kv_heads, attribute_or(attributes, "qk_norm_epsilon", 1e-5f),
-                                       attribute_or(attributes, "output_norm_epsilon", 1e-6f), activation == "silu"};
+                                       attribute_or(attributes, "output_norm_epsilon", 1e-6f), activation == "silu",
+                                       packed};
       return nullptr;
     } catch (const Ort::Exception& error) {
       return api.CreateStatus(error.GetOrtErrorCode(), error.what());
@@ -685,7 +749,7 @@ struct FoxAttentionOp : Ort::CustomOpBase<FoxAttentionOp, FoxAttentionKernel, tr
     return index >= 8 && index <= 10 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t index) const {
-    return index == 4 || index >= 10 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+    return index == 0 || (index >= 5 && index <= 9) ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
   }
   size_t GetOutputTypeCount() const { return 6; }
   ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
