@@ -163,6 +163,8 @@ CASES = {
     "a row whose window starts late": (2, 1, 2, 2, 8, 4500, 4500, [0, 30], [4400, 0]),
     "a gap in a row's window": (2, 2, 2, 1, 8, 600, 600, [5], [(70, 530), 0]),
     "a padding query in a chunk": (1, 12, 2, 2, 8, 4, 12, [0, 0], [(6, 9)]),
+    "decode, head_dim 64 (compiled for it)": (2, 1, 2, 2, 64, 300, 300, [0, 9], [5, 0]),
+    "decode, head_dim 128, gqa (compiled for it)": (1, 1, 4, 2, 128, 150, 150, [0, 0], [0]),
 }
 
 

@@ -256,9 +256,11 @@ void value_tile(const float* weights, int64_t rows, const float* values, int64_t
 
 // One query's scores against `count` keys, 8 keys at a time: a dot product's additions form a chain, and eight
 // independent chains (read key after key, as the keys lie in memory) keep the multiply-add units busy where one
-// would wait on each
-void score_row(const float* query, const float* keys, int64_t count, int64_t dim, float* out) {
-  const int64_t body = dim / 8 * 8;
+// would wait on each. kDim, where not 0, is the head dim known when compiled: each key's products then unroll, and
+// the processor overlaps the eight chains.
+template <int64_t kDim>
+void score_keys(const float* query, const float* keys, int64_t count, int64_t runtime_dim, float* out) {
+  const int64_t dim = kDim != 0 ? kDim : runtime_dim, body = dim / 8 * 8;
   int64_t j = 0;
   for (; j + 8 <= count; j += 8) {
     float acc[8][8] = {};
@@ -281,6 +283,12 @@ void score_row(const float* query, const float* keys, int64_t count, int64_t dim
     for (int64_t d = 0; d < dim; ++d) dot += query[d] * keys[j * dim + d];
     out[j] = dot;
   }
+}
+
+void score_row(const float* query, const float* keys, int64_t count, int64_t dim, float* out) {
+  if (dim == 64) return score_keys<64>(query, keys, count, dim, out);
+  if (dim == 128) return score_keys<128>(query, keys, count, dim, out);
+  score_keys<0>(query, keys, count, dim, out);
 }
 
 // acc[d] += sum_j weights[j] values[j, d] for channels [d0, dim) in runs of kWidth held in registers across the keys;
