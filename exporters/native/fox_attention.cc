@@ -53,6 +53,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <string>
 #include <vector>
@@ -88,6 +89,8 @@ inline float exp_approx(float x) {
 }
 
 constexpr size_t kInputs = 19;
+// attention_mask, cache_position and window_starts; every other input is float
+constexpr bool integer_input(size_t index) { return index >= 8 && index <= 10; }
 constexpr size_t kPacked[] = {0, 1, 2, 3, 11, 13, 18};  // the inputs packed_offsets places, in its order
 
 // A float input as the kernel reads it: its own tensor, or its columns of the joined projection copied out
@@ -310,7 +313,8 @@ int64_t add_weighted(const float* weights, const float* values, int64_t count, i
 
 // One query's weighted values over `count` keys into acc
 void value_row(const float* weights, const float* values, int64_t count, int64_t dim, float* acc) {
-  const int64_t d = add_weighted<8>(weights, values, count, dim, add_weighted<64>(weights, values, count, dim, 0, acc), acc);
+  int64_t d = add_weighted<64>(weights, values, count, dim, 0, acc);
+  d = add_weighted<8>(weights, values, count, dim, d, acc);
   add_weighted<1>(weights, values, count, dim, d, acc);
 }
 
@@ -533,8 +537,8 @@ struct FoxAttentionKernel {
     Problem& p = kept;  // the workers' tasks capture this reference: they read the calling thread's run
     if (OrtStatusPtr refused = view_inputs(context, p)) return refused;
     auto shape = [&](size_t index) {
-      return index >= 8 && index <= 10 ? context.GetInput(index).GetTensorTypeAndShapeInfo().GetShape()
-                                       : p.inputs[index].shape;
+      return integer_input(index) ? context.GetInput(index).GetTensorTypeAndShapeInfo().GetShape()
+                                  : p.inputs[index].shape;
     };
     auto given = [&](size_t index) { return context.GetInputCount() > index && context.GetInput(index) != nullptr; };
     const auto query = shape(0), key = shape(1), logits = shape(3), past_key = shape(5), past_gate = shape(7),
@@ -590,13 +594,8 @@ struct FoxAttentionKernel {
     p.keys = present_key.GetTensorMutableData<float>();
     p.values = present_value.GetTensorMutableData<float>();
     p.gates = present_gate.GetTensorMutableData<float>();
-    p.next_key_shift = p.next_value_shift = nullptr;
-    for (size_t index : {size_t{4}, size_t{5}})
-      if (context.GetOutputCount() > index) {
-        const bool shifted = (index == 4 ? p.key_shift_logits : p.value_shift_logits) != nullptr;
-        auto state = context.GetOutput(index, {p.batch, shifted ? kv_heads * p.dim : 0});
-        (index == 4 ? p.next_key_shift : p.next_value_shift) = shifted ? state.GetTensorMutableData<float>() : nullptr;
-      }
+    p.next_key_shift = shift_state(context, 4, p.key_shift_logits != nullptr, p);
+    p.next_value_shift = shift_state(context, 5, p.value_shift_logits != nullptr, p);
     if ((p.key_shift_logits != nullptr && p.next_key_shift == nullptr) ||
         (p.value_shift_logits != nullptr && p.next_value_shift == nullptr))
       return fail("a token shift needs its present state among the outputs");
@@ -628,14 +627,15 @@ struct FoxAttentionKernel {
   OrtStatusPtr view_inputs(Ort::KernelContext& context, Problem& p) const {
     for (size_t index = 0; index < kInputs; ++index) {
       p.inputs[index] = View{};
-      if ((index >= 8 && index <= 10) || context.GetInputCount() <= index || context.GetInput(index) == nullptr)
+      if (integer_input(index) || context.GetInputCount() <= index || context.GetInput(index) == nullptr)
         continue;
       auto input = context.GetInput(index);
       p.inputs[index] = View{input.GetTensorData<float>(), input.GetTensorTypeAndShapeInfo().GetShape()};
     }
     if (packed.empty()) {
       for (size_t index : {1, 2, 3})
-        if (p.inputs[index].data == nullptr) return fail("key, value and gate_logits are inputs unless packed_offsets places them");
+        if (p.inputs[index].data == nullptr)
+          return fail("key, value and gate_logits are inputs unless packed_offsets places them");
       return nullptr;
     }
     const View joined = p.inputs[0];
@@ -661,33 +661,39 @@ struct FoxAttentionKernel {
     return nullptr;
   }
 
+  // Output 4 or 5, where the node has it: a token shift's state after the step, [B, K*D] (null and [B, 0] unshifted)
+  float* shift_state(Ort::KernelContext& context, size_t index, bool shifted, const Problem& p) const {
+    if (context.GetOutputCount() <= index) return nullptr;
+    auto state = context.GetOutput(index, {p.batch, shifted ? kv_heads * p.dim : 0});
+    return shifted ? state.GetTensorMutableData<float>() : nullptr;
+  }
+
   // Inputs 11 to 18 into the problem, their shapes checked (null where absent)
   OrtStatusPtr take_pro_inputs(Problem& p) const {
-    auto data = [&](size_t index, const std::vector<int64_t>& expected) -> const float* {
+    bool agree = true;
+    auto data = [&](size_t index, std::initializer_list<int64_t> expected) {
       const View& input = p.inputs[index];
-      if (input.data != nullptr && input.shape != expected) throw std::invalid_argument("");
+      agree = agree && (input.data == nullptr || std::ranges::equal(input.shape, expected));
       return input.data;
     };
-    auto norm = [&](size_t index, int64_t norm_heads, int64_t& size) -> const float* {
+    auto norm = [&](size_t index, int64_t norm_heads, int64_t& size) {
       const View& input = p.inputs[index];
       size = 1;
       for (int64_t extent : input.shape) size *= extent;
-      if (input.data != nullptr && size != p.dim && size != norm_heads * p.dim) throw std::invalid_argument("");
+      agree = agree && (input.data == nullptr || size == p.dim || size == norm_heads * p.dim);
       return input.data;
     };
     const int64_t width = kv_heads * p.dim;
-    try {
-      p.key_shift_logits = data(11, {p.batch, p.seq, kv_heads});
-      p.past_key_shift = data(12, {p.batch, width});
-      p.value_shift_logits = data(13, {p.batch, p.seq, kv_heads});
-      p.past_value_shift = data(14, {p.batch, width});
-      p.query_norm = norm(15, heads, p.query_norm_size);
-      p.key_norm = norm(16, kv_heads, p.key_norm_size);
-      p.output_norm = norm(17, heads, p.output_norm_size);
-      p.output_gate = data(18, {p.batch, p.seq, heads * p.dim});
-    } catch (const std::invalid_argument&) {
+    p.key_shift_logits = data(11, {p.batch, p.seq, kv_heads});
+    p.past_key_shift = data(12, {p.batch, width});
+    p.value_shift_logits = data(13, {p.batch, p.seq, kv_heads});
+    p.past_value_shift = data(14, {p.batch, width});
+    p.query_norm = norm(15, heads, p.query_norm_size);
+    p.key_norm = norm(16, kv_heads, p.key_norm_size);
+    p.output_norm = norm(17, heads, p.output_norm_size);
+    p.output_gate = data(18, {p.batch, p.seq, heads * p.dim});
+    if (!agree)
       return fail("FoX-Pro inputs (token shift, norms, output gate) of the wrong shape (see the op's contract)");
-    }
     if ((p.key_shift_logits == nullptr) != (p.past_key_shift == nullptr) ||
         (p.value_shift_logits == nullptr) != (p.past_value_shift == nullptr))
       return fail("a token shift takes its logits and its past state together");
@@ -742,7 +748,8 @@ struct FoxAttentionOp : Ort::CustomOpBase<FoxAttentionOp, FoxAttentionKernel, tr
       } catch (const Ort::Exception&) {
       }
       if (!packed.empty() && (packed.size() != std::size(kPacked) || packed[0] < 0))
-        return api.CreateStatus(ORT_INVALID_ARGUMENT, "FoxAttention: packed_offsets holds 7 offsets, the query's first");
+        return api.CreateStatus(ORT_INVALID_ARGUMENT,
+                                "FoxAttention: packed_offsets holds 7 offsets, the query's first");
       *kernel = new FoxAttentionKernel{api, heads, kv_heads, attribute_or(attributes, "qk_norm_epsilon", 1e-5f),
                                        attribute_or(attributes, "output_norm_epsilon", 1e-6f), activation == "silu",
                                        packed};
@@ -754,7 +761,7 @@ struct FoxAttentionOp : Ort::CustomOpBase<FoxAttentionOp, FoxAttentionKernel, tr
   const char* GetName() const { return "FoxAttention"; }
   size_t GetInputTypeCount() const { return 19; }
   ONNXTensorElementDataType GetInputType(size_t index) const {
-    return index >= 8 && index <= 10 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    return integer_input(index) ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t index) const {
     return index == 0 || (index >= 5 && index <= 9) ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
