@@ -110,8 +110,7 @@ def _shifted(raw, logits, state, keep, kv_heads) -> tuple[torch.Tensor, torch.Te
     """The token shift where it is asked for, and the state after it (`[batch, 0]` where it is not)."""
     if logits is None:
         return raw, raw.new_zeros(raw.shape[0], 0)
-    mixed, last = token_shift(raw, logits, state, keep, kv_heads)
-    return mixed, last.clone()
+    return token_shift(raw, logits, state, keep, kv_heads)
 
 
 def _normalized(x: torch.Tensor, weight: torch.Tensor | None, head_dim: int, eps: float) -> torch.Tensor:

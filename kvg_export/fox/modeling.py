@@ -25,7 +25,7 @@ from kvg_export.fox.fused_attention import fox_attention
 from kvg_export.fox.in_place_attention import group_query_attention
 from kvg_export.fox.layers import QK_NORM_EPS, GatedMLP, HeadRMSNorm, RMSNorm, ShiftLinear, rotate
 
-SHIFTED = ("k_proj", "v_proj")  # the projections a token shift may mix, in SHIFT_FIELDS' order
+SHIFT_FIELD = {"k_proj": "key_shift", "v_proj": "value_shift"}  # the cache's state of each projection's token shift
 # With a cache, a longer input runs through the layers in chunks of this many tokens, as the runtime prefills
 PREFILL_CHUNK = 256
 
@@ -95,12 +95,14 @@ class ForgettingAttention(nn.Module):
         projection = getattr(self, name)
         if not isinstance(projection, ShiftLinear):
             return projection(x)
-        field = "key_shift" if name == "k_proj" else "value_shift"
-        previous = None if cache is None else cache.shift_states(self.layer_idx)[SHIFT_FIELDS.index(field)]
-        mixed, last = projection(x, previous, keep)
+        mixed, last = projection(x, self._shift_state(name, cache), keep)
         if cache is not None:
-            cache.update_shift(self.layer_idx, **{field: last})
+            cache.update_shift(self.layer_idx, **{SHIFT_FIELD[name]: last})
         return mixed
+
+    def _shift_state(self, name: str, cache: GatedCache | None) -> torch.Tensor | None:
+        """The cached state of k or v projection's token shift: its last token's projection (None before the first)."""
+        return None if cache is None else cache.shift_states(self.layer_idx)[SHIFT_FIELDS.index(SHIFT_FIELD[name])]
 
     def forward(
         self,
@@ -166,14 +168,14 @@ class ForgettingAttention(nn.Module):
             raise ValueError("fused attention needs a cache to write to")
         _check_consecutive(cache_position)
         query = self.q_proj(x)
-        before = (None, None, None, None, None, None)  # each shift's logits and state, the QK-norm weights
+        key_shift = value_shift = norms = (None, None)  # each shift's logits and state before the step; QK-norm weights
         if self.config.use_rope:
             keys, values = self._project("k_proj", x, keep, cache), self._project("v_proj", x, keep, cache)
             query, keys = self._per_head(query, keys, positions)
         else:
-            (keys, *key_shift), (values, *value_shift) = (self._shift_inputs(name, x, cache) for name in SHIFTED)
-            norms = (self.q_norm.weight, self.k_norm.weight) if self.config.qk_norm else (None, None)
-            before = (*key_shift, *value_shift, *norms)
+            (keys, *key_shift), (values, *value_shift) = (self._shift_inputs(name, x, cache) for name in SHIFT_FIELD)
+            if self.config.qk_norm:
+                norms = (self.q_norm.weight, self.k_norm.weight)
         after = (
             self.output_norm.weight if self.config.use_output_norm else None,
             self.ogate_proj(x) if self.config.use_output_gate else None,
@@ -183,15 +185,13 @@ class ForgettingAttention(nn.Module):
         new_gates = gate_logits.transpose(1, 2)  # for the cache's checks of the new entries' shapes
         buffers = cache.buffers(*per_head, new_gates, self.layer_idx, {"cache_position": cache_position})
         out, *buffers, key_state, value_state = fox_attention(
-            query, keys, values, gate_logits, gate_bias, *buffers, attention_mask, cache_position, starts, *before,
-            *after, self.heads, self.kv_heads, QK_NORM_EPS, self.config.norm_eps,
+            query, keys, values, gate_logits, gate_bias, *buffers, attention_mask, cache_position, starts, *key_shift,
+            *value_shift, *norms, *after, self.heads, self.kv_heads, QK_NORM_EPS, self.config.norm_eps,
             "sigmoid" if self.config.ogate_act == "sigmoid" else "silu",
         )  # fmt: skip
         cache.set_keys_values(self.layer_idx, *buffers)
-        shifted = [before[0] is not None, before[2] is not None]
-        if any(shifted):
-            states = (state if done else None for state, done in zip((key_state, value_state), shifted, strict=True))
-            cache.update_shift(self.layer_idx, *states)
+        shifts = zip(SHIFT_FIELDS, (key_shift, value_shift), (key_state, value_state), strict=True)
+        cache.update_shift(self.layer_idx, **{field: state for field, (logit, _), state in shifts if logit is not None})
         return out
 
     def _shift_inputs(self, name: str, x: torch.Tensor, cache: GatedCache):
@@ -201,7 +201,7 @@ class ForgettingAttention(nn.Module):
         if not isinstance(projection, ShiftLinear):
             return projection(x), None, None
         raw = projection.linear(x)
-        previous = cache.shift_states(self.layer_idx)[SHIFTED.index(name)]
+        previous = self._shift_state(name, cache)
         if previous is None:
             previous = raw.new_zeros(raw.shape[0], raw.shape[2])
         return raw, projection.shift_proj(x), previous
