@@ -105,7 +105,8 @@ struct Problem {
   int64_t batch, seq, heads, kv_heads, dim, past, window, length;
   const float *query, *key, *value, *gate_logits;
   std::vector<float> gate_bias;  // per head
-  std::vector<char> real;        // [B, W]: the slots that hold real tokens
+  const int64_t* mask;          // the attention_mask as given: nonzero where a slot holds a real token
+  int64_t mask_row;             // its row stride (0: one row for every row)
   const int64_t* positions;
   std::vector<int64_t> starts;  // per kv head
   float *keys, *values, *gates, *out;
@@ -129,11 +130,11 @@ struct Problem {
   const float* values_of(int64_t row, int64_t kv_head) const {
     return values + (row * kv_heads + kv_head) * length * dim;
   }
-  const char* real_of(int64_t row) const { return real.data() + row * window; }
+  const int64_t* real_of(int64_t row) const { return mask + row * mask_row; }
   // The first of own slots [begin, end) that query i of `row` may attend (a real token's, or its own), else end
   int64_t first_seen(int64_t row, int64_t i, int64_t start, int64_t begin, int64_t end) const {
-    const char* slots = real_of(row) + start;
-    const int64_t found = std::find(slots + begin, slots + end, 1) - slots;
+    const int64_t* slots = real_of(row) + start;
+    const int64_t found = std::find_if(slots + begin, slots + end, [](int64_t flag) { return flag != 0; }) - slots;
     const int64_t mine = positions[i] - start;
     return mine >= begin && mine < found ? mine : found;
   }
@@ -393,7 +394,7 @@ void attend(Problem& p, int64_t task) {
     }
     // The block's gate sums from its first slot, each rounded once from double: a query's decay to key j is then
     // its own sum less key j's, both small where the weights are not
-    const char* real = p.real_of(row) + start + begin;
+    const int64_t* real = p.real_of(row) + start + begin;
     const bool all_real = std::find(real, real + width, 0) == real + width;
 #pragma omp simd
     for (int64_t j = 0; j < width; ++j) decay[j] = static_cast<float>(sums[begin + j] - sums[begin]);
@@ -573,10 +574,8 @@ struct FoxAttentionKernel {
     p.key = p.inputs[1].data;
     p.value = p.inputs[2].data;
     p.gate_logits = p.inputs[3].data;
-    const int64_t* flags = context.GetInput(8).GetTensorData<int64_t>();
-    p.real.resize(p.batch * p.window);
-    for (int64_t b = 0; b < p.batch; ++b)
-      for (int64_t s = 0; s < p.window; ++s) p.real[b * p.window + s] = flags[(mask[0] == 1 ? 0 : b) * p.window + s] != 0;
+    p.mask = context.GetInput(8).GetTensorData<int64_t>();  // read in place: a step copies nothing of the window
+    p.mask_row = mask[0] == 1 ? 0 : p.window;
     p.positions = context.GetInput(9).GetTensorData<int64_t>();
     for (int64_t i = 0; i < p.seq; ++i)
       if (p.positions[i] != p.positions[0] + i || p.positions[i] >= p.window)
