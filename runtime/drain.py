@@ -44,6 +44,8 @@ class Drain:
     started_at: float | None = None
     drained: int = 0  # requests that finished within the grace period
     cut: int = 0  # requests still running at its end
+    unsent: int = 0  # cut requests whose last event had not gone out `flush_s` after the cut
+    flush_s: float = CUT_FLUSH_S
     on_drained: Callable[[], None] = lambda: None  # the metrics' counters
     on_cut: Callable[[int], None] = lambda count: None
 
@@ -76,14 +78,17 @@ class Drain:
             cut(f"the server shut down ({self.signal_name}): this request did not finish within its {self.grace_s:g} s "
                 "grace period; retry it")  # fmt: skip
             with self._changed:  # their last events on their way; a client that reads no more is closed on exit
-                self._changed.wait_for(lambda: self.active == 0, CUT_FLUSH_S)
+                if not self._changed.wait_for(lambda: self.active == 0, self.flush_s):
+                    self.unsent = self.active
         stop()
 
     def summary(self) -> str:
         """One line on how the server stopped."""
         if not self.draining:
             return "stopped"
-        return stopped_line(self.signal_name, time.monotonic() - self.started_at, self.drained, self.cut, self.grace_s)
+        line = stopped_line(self.signal_name, time.monotonic() - self.started_at, self.drained, self.cut, self.grace_s)
+        unsent = f"; last event not sent to {requests(self.unsent)} within {self.flush_s:g} s" if self.unsent else ""
+        return line + unsent
 
 
 def stopped_line(signal_name: str, took_s: float, drained: int, cut: int, grace_s: float) -> str:
