@@ -165,6 +165,9 @@ CASES = {
     "a padding query in a chunk": (1, 12, 2, 2, 8, 4, 12, [0, 0], [(6, 9)]),
     "decode, head_dim 64 (compiled for it)": (2, 1, 2, 2, 64, 300, 300, [0, 9], [5, 0]),
     "decode, head_dim 128, gqa (compiled for it)": (1, 1, 4, 2, 128, 150, 150, [0, 0], [0]),
+    # most keys' weights round to 0 under the faster-decaying heads' gates: blocks the kernel skips
+    "chunk over a window its gates forgot": (2, 70, 4, 2, 16, 1500, 1570, [0, 0], [0, 200]),
+    "decode over a window its gates forgot": (1, 1, 4, 4, 64, 1800, 1801, [0, 0, 0, 0], [0]),
 }
 
 

@@ -10,7 +10,8 @@
 //   o_i = softmax_j(logit_ij) v
 //
 // The sums are taken in double from the window's start, so a 6,000-token prompt in one run is as precise as a
-// chunked one. Each kv head h reads its buffer rows from slot 0, which is the window's slot window_starts[h]
+// chunked one. Where the decay leaves every weight of a block of keys below what float's exp resolves, the block's
+// values are not read (its weights are exactly 0): what FoX has forgotten costs one pass over its keys. Each kv head h reads its buffer rows from slot 0, which is the window's slot window_starts[h]
 // (forget-gate pruning dropped the slots before), so heads of one layer may hold windows of different lengths.
 //
 // Inputs (B rows, S new tokens, H query heads, K kv heads, D head_dim, L buffer slots, W window slots):
@@ -72,8 +73,10 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // exp for the softmax, in arithmetic the compiler vectorizes (Cephes' expf: range reduction by ln 2 and a
 // degree-6 polynomial, within 2 ulp); 0 below float's smallest normal exponent, as for -inf
+constexpr float kExpUnderflow = -87.33654f;  // exp_approx is 0 below this
+
 inline float exp_approx(float x) {
-  const float clamped = std::min(std::max(x, -87.33654f), 88.37626f);
+  const float clamped = std::min(std::max(x, kExpUnderflow), 88.37626f);
   const float n = std::floor(clamped * 1.44269504088896341f + 0.5f);
   const float r = clamped - n * 0.693359375f + n * 2.12194440e-4f;
   const float r2 = r * r;
@@ -85,7 +88,7 @@ inline float exp_approx(float x) {
   p = p * r + 5.0000001201e-1f;
   const float y = p * r2 + r + 1.0f;
   const float scale = std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
-  return x < -87.33654f ? 0.0f : y * scale;
+  return x < kExpUnderflow ? 0.0f : y * scale;
 }
 
 constexpr size_t kInputs = 19;
@@ -373,7 +376,12 @@ void attend(Problem& p, int64_t task) {
   const double* sums = p.sums.data() + (row * p.heads + head) * p.length;
   int64_t* seen_by = scratch.seen.data();  // how many of a block's keys each query reads (0: none it may attend)
 
-  for (int64_t begin = key_begin; begin < key_end; begin += kKeyBlock) {
+  // The newest block first: its keys decay least, so a query's running maximum is at once near its final one, and an
+  // older block whose every weight then rounds to 0 skips its exponentials and its values. The rest follow oldest
+  // first, the order the memory prefetcher streams best (newest to oldest measured 12% slower at 16k keys).
+  const int64_t blocks = (std::max<int64_t>(key_end - key_begin, 0) + kKeyBlock - 1) / kKeyBlock;
+  for (int64_t step = 0; step < blocks; ++step) {
+    const int64_t begin = key_begin + (step == 0 ? blocks - 1 : step - 1) * kKeyBlock;
     const int64_t width = std::min(kKeyBlock, key_end - begin);
     bool any = false;  // a block no query may attend (a gap in a row's window: other rows' slots) is skipped
     for (int64_t i = 0; i < count; ++i) {
@@ -398,6 +406,7 @@ void attend(Problem& p, int64_t task) {
     const bool all_real = std::find(real, real + width, 0) == real + width;
 #pragma omp simd
     for (int64_t j = 0; j < width; ++j) decay[j] = static_cast<float>(sums[begin + j] - sums[begin]);
+    bool weighed = false;  // whether any query gives a key of the block a weight above 0
     for (int64_t i = 0; i < rows; ++i) {  // each query's weights, its running maximum and sum brought up to date
       float* weights = scores + i * kKeyBlock;
       const int64_t seen = i < count ? seen_by[i] : 0;
@@ -411,10 +420,13 @@ void attend(Problem& p, int64_t task) {
       float block_max = kNegInf;
 #pragma omp simd reduction(max : block_max)
       for (int64_t j = 0; j < seen; ++j) block_max = std::max(block_max, weights[j]);
-      if (block_max == kNegInf) {
+      // Nothing to attend, or every weight below the running maximum by more than exp_approx resolves: all 0, and
+      // the maximum, sum and values stay as they are
+      if (block_max == kNegInf || block_max - maxima[i] < kExpUnderflow) {
         std::fill(weights, weights + width, 0.0f);
         continue;
       }
+      weighed = true;
       const float new_max = std::max(maxima[i], block_max);
       const float correction = maxima[i] == kNegInf ? 0.0f : exp_approx(maxima[i] - new_max);
       float block_sum = 0.0f;
@@ -428,6 +440,7 @@ void attend(Problem& p, int64_t task) {
       maxima[i] = new_max;
       for (int64_t d = 0; d < dim; ++d) acc[i * dim + d] *= correction;
     }
+    if (!weighed) continue;
     if (!tiled) {
       value_row(scores, block_values, seen_by[0], dim, acc);
     } else if (dim % 16 == 0) {
