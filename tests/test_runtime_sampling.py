@@ -308,6 +308,14 @@ def test_bad_configs_raise_naming_the_field(field: str, value: float):
         filtered_logits(np.zeros((1, 4), dtype=np.float32), config)
 
 
-def test_boundary_configs_are_accepted():
-    SamplingConfig(temperature=0.0, top_k=0, top_p=1.0, repetition_penalty=1.0).validate()
-    SamplingConfig(temperature=1e-3, top_k=1, top_p=1e-6, repetition_penalty=1e-3).validate()
+def test_boundary_configs_are_accepted_and_do_what_their_bounds_mean():
+    """Each field at the edge of what validate() accepts: the off settings leave the logits as they are, and the
+    tightest keep only each row's most probable token (nothing seen, so the penalty touches none)."""
+    logits = np.random.default_rng(0).standard_normal((3, 50)).astype(np.float32)
+    off = SamplingConfig(temperature=0.0, top_k=0, top_p=1.0, repetition_penalty=1.0)
+    np.testing.assert_array_equal(filtered_logits(logits, off), logits)
+    tightest = SamplingConfig(temperature=1e-3, top_k=1, top_p=1e-6, repetition_penalty=1e-3, seed=0)
+    unseen = [np.array([], dtype=np.int64)] * 3
+    kept = np.isfinite(filtered_logits(logits, tightest, unseen))
+    np.testing.assert_array_equal(kept, np.arange(50) == logits.argmax(axis=-1)[:, None])
+    np.testing.assert_array_equal(Sampler(tightest).choose(logits, unseen), logits.argmax(axis=-1))

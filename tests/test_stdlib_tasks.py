@@ -1,10 +1,17 @@
-"""The kvg_stdlib tasks' documents: cut from the held-out test split, the same on every call."""
+"""The kvg_stdlib tasks' documents: cut from the held-out test split, the same in every process."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from exporters.stdlib_tasks import CHOICES, LINES, PASSAGE_LINES, PASSAGES, complete_line, next_line, passages
 from kvg_export.corpus import read_split
 
+REPO = Path(__file__).resolve().parent.parent
 SPLIT = "\n".join(document.text for document in read_split("test"))
 
 
@@ -13,8 +20,16 @@ def documents(make) -> list[dict]:
 
 
 @pytest.mark.parametrize("make", [next_line, complete_line, passages])
-def test_the_documents_are_the_same_on_every_call(make):
-    assert documents(make) == documents(make)
+def test_the_documents_are_the_same_in_every_process(make):
+    """A score is comparable across runs only if the documents are: a process with another hash seed (which orders
+    sets and dicts of strings otherwise) draws the same ones, and there are as many as the task says."""
+    script = (f"import json; from exporters.stdlib_tasks import {make.__name__}; "
+              f"print(json.dumps({make.__name__}()['test'].to_list()))")  # fmt: skip
+    other = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": "12345"})  # fmt: skip
+    drawn = documents(make)
+    assert json.loads(other.stdout) == drawn
+    assert len(drawn) == (PASSAGES if make is passages else LINES)
 
 
 def test_the_true_next_line_follows_its_context_among_other_lines_indented_alike():
