@@ -204,3 +204,18 @@ def test_a_block_is_what_the_commands_parse(workspace):
     assert shell(f"kvg-export {RELEASED_FOLDER}", workspace) == f"kvg-export {workspace / 'released'}"
     assert shlex.split(shell("make export MODEL=x", workspace))[:4] == ["make", "-s", "-C", str(REPO)]
     assert shape("load   0.0 s  x ...\n...\nend").fullmatch("load 12.5 s  x and y\na\nb\nend\n")
+
+
+def test_every_relative_link_in_the_documentation_resolves_inside_the_repository():
+    """A clean clone is all a reader has: a link (or a path written as a sibling's, `../...`) that leaves the
+    repository, or names a file it lacks, is a dead end."""
+    pages = subprocess.run(["git", "ls-files", "*.md"], cwd=REPO, capture_output=True, text=True, check=True)
+    for name in pages.stdout.split():
+        page = REPO / name
+        text = page.read_text()
+        assert not re.findall(r"\.\./[\w.-]+", text), f"{name} points outside the repository"
+        for link in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:|#", link):  # a web address or an anchor on the page
+                continue
+            target = (page.parent / link.partition("#")[0]).resolve()
+            assert target.is_relative_to(REPO) and target.exists(), f"{name} links to {link}, which is not there"
