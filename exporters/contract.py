@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-LOGITS_TO_KEEP = "logits_to_keep"  # an optional input (exporters/last_logits.py)
+LOGITS_TO_KEEP = "logits_to_keep"  # an optional input (exporters/passes/last_logits.py)
 KEPT_AXIS = "kept"  # the logits' sequence axis: seq, or logits_to_keep when that is above 0
 PAST_TEMPLATE = "past_key_values.{layer}.{field}"
 PRESENT_TEMPLATE = "present.{layer}.{field}"

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from exporters import passes
 from exporters.checkpoint_tokenizer import FAST_FILE, CheckpointTokenizer
 from exporters.contract import cache_layout
 from exporters.evaluate import DEFAULT_CONTEXT, EagerRun, EvalError, run_eager
@@ -71,15 +72,11 @@ def lower(
         f"recorded for onnxruntime (ExportedProgram logits Δ {max(s.program_logits for s in r.steps):.2e})",
     )  # fmt: skip
     keep_apart = options.quantization.keeps if options.quantization else lambda module: False
+    choices = passes.Choices(options.attention, offsets, keep_apart)
     stage(
-        log, "lower", lambda _: lower_to_onnx(program, example, layout, model_path, options.opset, keep_apart,
-                                       options.attention, offsets),
-        lambda fused: f"ONNX opset {options.opset}, {fused[0]} fewer MatMuls (projections joined), "
-        f"{fused[1]} residual adds joined with their norms"
-        + (f", {fused[2]} head norms fusable by onnxruntime" if fused[2] else "")
-        + f", forget-gate rewrites {-fused[3]:+d} nodes"
-        + (f", {fused[4]} gate writes in place in a long enough buffer" if fused[4] else "")
-        + ", weights memory-mappable in model.onnx.data",
+        log, "lower", lambda _: lower_to_onnx(program, example, layout, model_path, options.opset, choices),
+        lambda counts: f"ONNX opset {options.opset}, {passes.summary(counts)}, weights memory-mappable in "
+        "model.onnx.data",
         expected=f"torch.onnx.export of {layers}, the graph passes, then the weights written",
     )  # fmt: skip
     manifest = build_manifest(

@@ -44,7 +44,7 @@ def graph_io(
     config, layout: CacheLayout, dtype: str, max_cache_len: int | None, folded: bool = False
 ) -> tuple[list, list]:  # fmt: skip
     """The graph's inputs and outputs as the contract defines them: name, dtype and axes (names or sizes);
-    `folded`: a run may fold the present keys' and values' heads into rows (exporters/window_offsets.py)."""
+    `folded`: a run may fold the present keys' and values' heads into rows (exporters/passes/window_offsets.py)."""
     heads, kv_heads, head_dim = config.num_heads, config.kv_heads, config.head_dim
     length_in, length_out = (max_cache_len, max_cache_len) if layout.static else ("past", "total")
 
@@ -111,7 +111,7 @@ def build_manifest(
         "names": {"past": PAST_TEMPLATE, "present": PRESENT_TEMPLATE, "fields": list(CACHE_FIELDS)},
         "inputs": inputs,
         # inputs with a default (ONNX initializers that are also inputs), fed only to change it: in a pruned export
-        # window_offsets, zeros (exporters/window_offsets.py, which also folds its present keys and values);
+        # window_offsets, zeros (exporters/passes/window_offsets.py, which also folds its present keys and values);
         # logits_to_keep, 0 (every position's logits) unless fed n > 0 (the last n)
         "optional_inputs": [_io_entry(WINDOW_OFFSETS, "int64", [config.num_hidden_layers, config.kv_heads])]
         * window_offsets

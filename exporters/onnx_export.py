@@ -6,27 +6,18 @@ the past length: size-0/1 examples or automatic dims would specialise the graph.
 
 from __future__ import annotations
 
-import ast
 import logging
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 
 import onnx_ir as ir
 import torch
 from torch.export import Dim, ExportedProgram
 
-from exporters import weights_file
+from exporters import passes, weights_file
 from exporters.contract import DYNAMIC_MAX_POSITIONS, CacheLayout, cache_shape
-from exporters.fuse_norms import fusable_head_norms, fuse_residual_norms
-from exporters.fuse_projections import fuse_projections
-from exporters.in_place_scatter import scatter_in_place
-from exporters.last_logits import keep_last_logits
-from exporters.lean_gates import lean_gates
-from exporters.pack_attention import pack_attention_inputs
+from exporters.passes.window_offsets import NAME as WINDOW_OFFSETS
 from exporters.translations import translations
-from exporters.window_offsets import NAME as WINDOW_OFFSETS
-from exporters.window_offsets import default_to_zeros, name_present_axes
 from exporters.wrappers import ExportableFox
 from kvg_export import FoxForCausalLM
 
@@ -80,7 +71,7 @@ def export_program(
     window_offsets: bool = False,
 ) -> tuple[ExportedProgram, tuple]:
     """The ExportedProgram of one forward step, and the example inputs it was traced with; `window_offsets`: the
-    step also takes them, by keyword (in-place attention only; see exporters/window_offsets.py)."""
+    step also takes them, by keyword (in-place attention only; see exporters/passes/window_offsets.py)."""
     if layout.static and not max_cache_len:
         raise ValueError("a static export needs max_cache_len")
     example = example_inputs(model, layout, max_cache_len)
@@ -115,60 +106,13 @@ def _axis_names(layout: CacheLayout, name: str) -> list[str | None]:
     return ["batch", None, length, None]
 
 
-def name_by_module(graph: ir.Graph) -> None:
-    """Name each node that reads a weight (MatMul, the embedding's Gather) after its module as the state dict
-    names it (`model.layers.0.attn.fgate_proj`, `lm_head`), so that a quantization pass can choose by role and
-    a reader of the graph sees what each product is."""
-    taken = {node.name for node in graph}
-    for node in graph:
-        scopes = node.metadata_props.get("pkg.torch.onnx.name_scopes")
-        weight = {"MatMul": 1, "Gather": 0}.get(node.op_type)
-        if scopes is None or weight is None or not node.inputs[weight].is_initializer():
-            continue
-        module = ast.literal_eval(scopes)[-2].removeprefix("model.")  # the wrapper holds the model as `model`
-        if module not in taken:
-            taken.add(module)
-            node.name = module
-
-
-def unique_names(graph: ir.Graph) -> None:
-    """Rename each value whose name an earlier one in `graph` or its If branches took. The rewrites name what they
-    add uniquely in its own graph only, and onnx resolves a branch's name to an outer value first, wherever in the
-    outer graph that is (onnx_ir's NameFixPass sees only the outer names before the branch)."""
-    taken = {value.name for value in (*graph.inputs, *graph.outputs, *graph.initializers.values())}
-    kept = {*graph.inputs, *graph.outputs, *graph.initializers.values()}
-
-    def claim(value: ir.Value) -> None:
-        if value in kept or value.name not in taken:
-            taken.add(value.name)
-            return
-        index = 1
-        while f"{value.name}_{index}" in taken:
-            index += 1
-        value.name = f"{value.name}_{index}"
-        taken.add(value.name)
-
-    for node in ir.traversal.RecursiveGraphIterator(graph):
-        for attribute in node.attributes.values():
-            if attribute.type == ir.AttributeType.GRAPH:
-                for value in (*attribute.value.inputs, *attribute.value.initializers.values()):
-                    claim(value)
-        for value in node.outputs:
-            claim(value)
-
-
 def lower_to_onnx(
-    program: ExportedProgram, example: tuple, layout: CacheLayout, path: Path, opset: int,
-    keep_apart: Callable[[str], bool] = lambda module: False, attention: str = "gqa", window_offsets: bool = False,
-) -> tuple[int, int, int, int, int]:  # fmt: skip
-    """Write `path`: the ONNX graph with contract names and named axes, its weights beside it (see `weights_file`);
-    returns how many projections were joined into others (see `fuse_projections`; modules `keep_apart` names
-    are not joined), how many residual adds into the norms after them and how many heads' norms were made ones
-    onnxruntime fuses (see `fuse_norms`), how many nodes
-    the forget-gate rewrites took out (see `lean_gates`) and how many gate writes go in place when the
-    buffer is long enough (see `in_place_scatter`). `attention` picks the lowering of in-place
-    attention (see `translations`). The graph also takes the optional `logits_to_keep` (see `last_logits`), and
-    the optional `window_offsets` if the program does (see `window_offsets`)."""
+    program: ExportedProgram, example: tuple, layout: CacheLayout, path: Path, opset: int, choices: passes.Choices,
+) -> dict[str, int]:  # fmt: skip
+    """Write `path`: the ONNX graph with contract names and named axes, after the graph passes (exporters/passes),
+    its weights beside it (see `weights_file`); returns the passes' counts by name. `choices.attention` also picks
+    the lowering of in-place attention (see `translations`), and the graph takes the optional `window_offsets` if
+    `choices` says the program does."""
     # Quiet the exporter's notes that concern other libraries (torchvision ops, a pytree deprecation in torch).
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
     with warnings.catch_warnings():
@@ -176,31 +120,18 @@ def lower_to_onnx(
         onnx_program = torch.onnx.export(
             program,
             example,
-            input_names=layout.input_names() + ([WINDOW_OFFSETS] if window_offsets else []),
+            input_names=layout.input_names() + ([WINDOW_OFFSETS] if choices.window_offsets else []),
             output_names=layout.output_names(),
             opset_version=opset,
             dynamo=True,
             optimize=True,
-            custom_translation_table=translations(attention),
+            custom_translation_table=translations(choices.attention),
             verbose=False,
         )
     graph = onnx_program.model.graph
     for value in [*graph.inputs, *graph.outputs]:
         axes = _axis_names(layout, value.name)
         value.shape = ir.Shape([name or dim for name, dim in zip(axes, value.shape, strict=True)])
-    name_by_module(graph)
-    joined = fuse_projections(graph, lambda node: keep_apart(node.name))
-    if attention == "fused":
-        pack_attention_inputs(graph)
-    norms = fuse_residual_norms(onnx_program.model)
-    head_norms = fusable_head_norms(onnx_program.model)
-    leaner = lean_gates(onnx_program.model)
-    written_in_place = scatter_in_place(graph)
-    if window_offsets:
-        default_to_zeros(graph)
-        if attention != "fused":  # the fused operator reads each head's window without folding heads into rows
-            name_present_axes(graph)
-    keep_last_logits(graph)
-    unique_names(graph)
+    counts = passes.run(onnx_program.model, choices)
     weights_file.save(onnx_program.model, path)
-    return joined, norms, head_norms, leaner, written_in_place
+    return counts

@@ -8,6 +8,7 @@ import torch
 from torch.export import ExportedProgram
 
 from exporters.contract import CacheLayout, cache_shape
+from exporters.passes.window_offsets import NAME as WINDOW_OFFSETS
 from exporters.progress import Progress, untracked
 from exporters.validate import (
     APART_CHUNK,
@@ -20,7 +21,6 @@ from exporters.validate import (
     difference,
     validation_prompt,
 )
-from exporters.window_offsets import NAME as WINDOW_OFFSETS
 from exporters.wrappers import ExportableFox
 from kvg_export import FoxForCausalLM
 

@@ -211,7 +211,7 @@ def _compared(label: str, step: EagerStep, runs: list[list[np.ndarray]], layout:
 
 def _as_pasts(presents: list[np.ndarray], pasts: list[np.ndarray]) -> list[np.ndarray]:
     """A step's presents as the next step's pasts: a present whose heads came folded into rows
-    (exporters/window_offsets.py) in its past's `[batch, kv_heads, ...]` shape, the same memory."""
+    (exporters/passes/window_offsets.py) in its past's `[batch, kv_heads, ...]` shape, the same memory."""
     return [present.reshape(past.shape[:2] + present.shape[2:]) for present, past in zip(presents, pasts, strict=True)]
 
 

@@ -246,8 +246,8 @@ class Artifact:
 
     @property
     def keeps_logits(self) -> bool:
-        """Whether the graph takes `logits_to_keep` (exporters/last_logits.py): a prefill's logits can then be its
-        last position's alone."""
+        """Whether the graph takes `logits_to_keep` (exporters/passes/last_logits.py): a prefill's logits can then
+        be its last position's alone."""
         return self.takes("logits_to_keep")
 
     def input_spec(self, name: str) -> dict:
@@ -255,7 +255,7 @@ class Artifact:
 
     def folds(self, present: str) -> bool:
         """Whether output `present` is a key or value buffer that a run whose layer's heads start apart gives
-        with its heads folded into rows, `[batch * kv_heads, 1, length, head_dim]` (exporters/window_offsets.py):
+        with its heads folded into rows, `[batch * kv_heads, 1, length, head_dim]` (exporters/passes/window_offsets.py):
         the past's buffer is then bound to it in that shape."""
         entry = next(e for e in self.manifest["outputs"] if e["name"] == present)
         return entry["axes"][0] == ROWS_AXIS

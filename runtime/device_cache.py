@@ -63,7 +63,7 @@ class DeviceCache:
         limit = artifact.manifest["cache"]["max_cache_len"]
         self.capacity = limit if in_place else None  # the slots a pruned request may fill (None: any number)
         self.thresholds: np.ndarray | None = None  # per layer and head, while a pruned request runs
-        # Where the graph takes window_offsets (exporters/window_offsets.py), each head's own window, or each
+        # Where the graph takes window_offsets (exporters/passes/window_offsets.py), each head's own window, or each
         # layer's in an artifact exported before heads had theirs; else one window for all
         offsets = next((e for e in artifact.manifest.get("optional_inputs", []) if e["name"] == WINDOW_OFFSETS), None)
         self.windows = "one" if offsets is None else "head" if len(offsets["axes"]) == 2 else "layer"

@@ -9,6 +9,7 @@ import torch
 from exporters.contract import DEFAULT_OPSET, cache_layout
 from exporters.export import ONNX_ATTENTION_OPSET
 from exporters.onnx_export import export_program, lower_to_onnx
+from exporters.passes import Choices
 from exporters.translations import lower_softplus
 from exporters.wrappers import ExportableFox
 from kvg_export import DynamicCache, FoxConfig, FoxForCausalLM
@@ -52,7 +53,7 @@ def exported(request, tmp_path_factory):
     program, example = export_program(model, layout, length, in_place_attention=attention != "standard")
     path = tmp_path_factory.mktemp(f"{name}-{kind}") / "model.onnx"
     opset = ONNX_ATTENTION_OPSET if attention == "onnx-attention" else DEFAULT_OPSET
-    lower_to_onnx(program, example, layout, path, opset, attention=attention)
+    lower_to_onnx(program, example, layout, path, opset, Choices(attention, window_offsets=False))
     return model, layout, path
 
 

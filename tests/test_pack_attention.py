@@ -1,5 +1,6 @@
-"""A fused graph's attention node reads its layer's joined projection whole (exporters/pack_attention.py): no Split
-cuts the projection and no Add biases the forget gate, and the graph still computes eager PyTorch's logits."""
+"""A fused graph's attention node reads its layer's joined projection whole (exporters/passes/pack_attention.py):
+no Split cuts the projection and no Add biases the forget gate, and the graph still computes eager PyTorch's
+logits."""
 
 import numpy as np
 import onnx
@@ -10,6 +11,7 @@ import torch
 from exporters.contract import DEFAULT_OPSET, cache_layout
 from exporters.native_library import available, build
 from exporters.onnx_export import export_program, lower_to_onnx
+from exporters.passes import PASSES, Choices
 from exporters.validate import TOLERANCES
 from kvg_export import FoxConfig, FoxForCausalLM
 from runtime.custom_ops import OP_NAME
@@ -32,12 +34,12 @@ def fused(request, tmp_path_factory):
     layout = cache_layout(config, static=False)
     program, example = export_program(model, layout, None, in_place_attention="fused")
     path = tmp_path_factory.mktemp("fused") / "model.onnx"
-    lower_to_onnx(program, example, layout, path, DEFAULT_OPSET, attention="fused")
-    return model, path
+    counts = lower_to_onnx(program, example, layout, path, DEFAULT_OPSET, Choices("fused", window_offsets=False))
+    return model, path, counts
 
 
 def test_the_attention_reads_the_joined_projection_and_its_bias(fused):
-    model, path = fused
+    model, path, _ = fused
     graph = onnx.load(str(path)).graph
     producer = {output: node for node in graph.node for output in node.output}
     initializers = {tensor.name for tensor in graph.initializer}
@@ -52,9 +54,25 @@ def test_the_attention_reads_the_joined_projection_and_its_bias(fused):
         output in node.input for node in nodes for output in node.output)]  # fmt: skip
 
 
+def test_the_passes_report_what_they_did_by_name_in_their_order(fused):
+    """The lowering's counts (exporters/passes): every pass's, in `PASSES` order, and the packing's and the
+    projections' as many as the graph shows."""
+    model, path, counts = fused
+    graph = onnx.load(str(path)).graph
+    assert list(counts) == [graph_pass.name for graph_pass in PASSES]
+    packed = [node for node in graph.node if any(a.name == "packed_offsets" for a in node.attribute)]
+    assert counts["attention nodes reading a joined projection whole"] == len(packed) == model.config.num_hidden_layers
+    matmuls = sum(node.op_type == "MatMul" for node in graph.node)
+    # each layer's projections of one activation joined: the attention's (q, k, v, the forget gate's and FoX-Pro's),
+    # the MLP's gate and up; left are those two, o_proj and down a layer, and the lm_head
+    assert matmuls == 4 * model.config.num_hidden_layers + 1
+    linears = sum(isinstance(module, torch.nn.Linear) for module in model.modules())
+    assert counts["projections joined"] == linears - matmuls  # one MatMul a Linear, before joining
+
+
 def test_the_packed_graph_computes_eager_logits(fused):
     """A prompt through the graph from an empty cache, against the model's own forward."""
-    model, path = fused
+    model, path, _ = fused
     config, seq = model.config, 7
     ids = torch.randint(1, config.vocab_size, (1, seq))
     options = ort.SessionOptions()

@@ -29,19 +29,24 @@ import onnx_ir as ir
 from runtime.artifact import ROW_HEADS_AXIS, ROWS_AXIS
 from runtime.pruning import WINDOW_OFFSETS as NAME
 
+KEYS = (".key", ".value")  # the cache tensors whose heads fold into rows
 
-def default_to_zeros(graph: ir.Graph) -> None:
-    """Give the traced input its default, in place."""
+
+def default_to_zeros(graph: ir.Graph) -> int:
+    """Give the traced input its default, in place (1: the one input)."""
     offsets = next(value for value in graph.inputs if value.name == NAME)
     offsets.const_value = ir.tensor(np.zeros(offsets.shape.numpy(), dtype=np.int64), name=NAME)
     graph.register_initializer(offsets)
+    return 1
 
 
-def name_present_axes(graph: ir.Graph) -> None:
-    """Declare each present key and value `[ROWS, ROW_HEADS, length, head_dim]` (its past's length and head_dim)."""
+def name_present_axes(graph: ir.Graph) -> int:
+    """Declare each present key and value `[ROWS, ROW_HEADS, length, head_dim]` (its past's length and head_dim);
+    returns how many."""
     pasts = {value.name: value for value in graph.inputs}
-    for value in graph.outputs:
-        if value.name.startswith("present.") and value.name.endswith((".key", ".value")):
-            past = pasts[value.name.replace("present.", "past_key_values.", 1)]
-            length = "total" if isinstance(past.shape[2], ir.SymbolicDim) else past.shape[2]
-            value.shape = ir.Shape([ROWS_AXIS, ROW_HEADS_AXIS, length, past.shape[3]])
+    named = [value for value in graph.outputs if value.name.startswith("present.") and value.name.endswith(KEYS)]
+    for value in named:
+        past = pasts[value.name.replace("present.", "past_key_values.", 1)]
+        length = "total" if isinstance(past.shape[2], ir.SymbolicDim) else past.shape[2]
+        value.shape = ir.Shape([ROWS_AXIS, ROW_HEADS_AXIS, length, past.shape[3]])
+    return len(named)

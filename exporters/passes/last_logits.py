@@ -17,8 +17,8 @@ from exporters.contract import KEPT_AXIS
 from exporters.contract import LOGITS_TO_KEEP as NAME
 
 
-def keep_last_logits(graph: ir.Graph) -> None:
-    """Add the input and slice the lm_head's activations by it, in place."""
+def keep_last_logits(graph: ir.Graph) -> int:
+    """Add the input and slice the lm_head's activations by it, in place (1: the one lm_head)."""
     logits = next(value for value in graph.outputs if value.name == "logits")
     head = logits.producer()
     while head.op_type != "MatMul":  # a Cast to float32 may follow the lm_head
@@ -34,6 +34,7 @@ def keep_last_logits(graph: ir.Graph) -> None:
     graph.insert_before(head, [start, kept])
     head.replace_input_with(0, kept.outputs[0])
     logits.shape = ir.Shape([logits.shape[0], KEPT_AXIS, logits.shape[2]])
+    return 1
 
 
 def _constant(graph: ir.Graph, name: str, value: int) -> ir.Value:

@@ -59,9 +59,10 @@ def _packing(node: ir.Node, split: ir.Node, widths: np.ndarray) -> tuple[list[in
     return (packed, bias, gone) if not offsets else None
 
 
-def pack_attention_inputs(graph: ir.Graph) -> None:
+def pack_attention_inputs(graph: ir.Graph) -> int:
     """Give every fused attention node whose inputs are the parts of one Split that Split's input, with each part's
-    column offset, in place of the parts."""
+    column offset, in place of the parts; returns how many nodes now read a joined projection whole."""
+    packed_nodes = 0
     for node in list(graph):
         if node.op_type != OP_NAME or node.domain != DOMAIN or node.inputs[0] is None:
             continue
@@ -82,3 +83,5 @@ def pack_attention_inputs(graph: ir.Graph) -> None:
             node.replace_input_with(GATE_BIAS, bias)
         node.attributes["packed_offsets"] = ir.AttrInt64s("packed_offsets", packed)
         graph.remove(gone, safe=True)
+        packed_nodes += 1
+    return packed_nodes
