@@ -44,10 +44,7 @@ PASSES = (
         "projections joined", lambda model, c: fuse_projections(model.graph, lambda node: c.keep_apart(node.name)),
         lambda count: f"{count} fewer MatMuls (projections joined)",
     ),
-    GraphPass(
-        "attention nodes reading a joined projection whole",
-        lambda model, c: pack_attention_inputs(model.graph) if c.attention == "fused" else 0,
-    ),
+    GraphPass("attention nodes reading a joined projection whole", lambda model, _: pack_attention_inputs(model.graph)),
     GraphPass(
         "residual adds joined with their norms", lambda model, _: fuse_residual_norms(model),
         lambda count: f"{count} residual adds joined with their norms",
