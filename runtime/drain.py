@@ -86,14 +86,18 @@ class Drain:
         """One line on how the server stopped."""
         if not self.draining:
             return "stopped"
-        line = stopped_line(self.signal_name, time.monotonic() - self.started_at, self.drained, self.cut, self.grace_s)
-        unsent = f"; last event not sent to {requests(self.unsent)} within {self.flush_s:g} s" if self.unsent else ""
-        return line + unsent
+        took = time.monotonic() - self.started_at
+        return stopped_line(self.signal_name, took, self.drained, self.cut, self.grace_s, self.unsent, self.flush_s)
 
 
-def stopped_line(signal_name: str, took_s: float, drained: int, cut: int, grace_s: float) -> str:
+def stopped_line(
+    signal_name: str, took_s: float, drained: int, cut: int, grace_s: float, unsent: int = 0,
+    flush_s: float = CUT_FLUSH_S,
+) -> str:  # fmt: skip
+    """`unsent`: cut requests whose last event had not gone out `flush_s` after the cut."""
     ended = f", cut {requests(cut)} at the {grace_s:g} s grace deadline" if cut else ""
-    return f"stopped on {signal_name}: drained {requests(drained)} in {took_s:.1f} s{ended}"
+    late = f"; last event not sent to {requests(unsent)} within {flush_s:g} s" if unsent else ""
+    return f"stopped on {signal_name}: drained {requests(drained)} in {took_s:.1f} s{ended}{late}"
 
 
 def requests(count: int) -> str:
