@@ -11,8 +11,9 @@
 //
 // The sums are taken in double from the window's start, so a 6,000-token prompt in one run is as precise as a
 // chunked one. Where the decay leaves every weight of a block of keys below what float's exp resolves, the block's
-// values are not read (its weights are exactly 0): what FoX has forgotten costs one pass over its keys. Each kv head h reads its buffer rows from slot 0, which is the window's slot window_starts[h]
-// (forget-gate pruning dropped the slots before), so heads of one layer may hold windows of different lengths.
+// values are not read (its weights are exactly 0): what FoX has forgotten costs one pass over its keys. Each kv head
+// h reads its buffer rows from slot 0, which is the window's slot window_starts[h] (forget-gate pruning dropped the
+// slots before), so heads of one layer may hold windows of different lengths.
 //
 // Inputs (B rows, S new tokens, H query heads, K kv heads, D head_dim, L buffer slots, W window slots):
 //   0 query [B, S, H*D] float   1 key [B, S, K*D] float   2 value [B, S, K*D] float
