@@ -12,7 +12,6 @@ from exporters.contract import DEFAULT_OPSET, cache_layout
 from exporters.native_library import available, build
 from exporters.onnx_export import export_program, lower_to_onnx
 from exporters.passes import PASSES, Choices
-from exporters.validate import TOLERANCES
 from kvg_export import FoxConfig, FoxForCausalLM
 from runtime.custom_ops import OP_NAME
 
@@ -89,5 +88,6 @@ def test_the_packed_graph_computes_eager_logits(fused):
     logits = session.run(["logits"], feeds)[0]
     with torch.no_grad():
         expected = model(ids).logits.numpy()
-    scale = max(1.0, np.abs(expected).max())  # export validation's measure, at its float32 tolerance
-    np.testing.assert_allclose(logits, expected, rtol=0, atol=TOLERANCES["float32"] * scale)
+    scale = max(1.0, np.abs(expected).max())  # export validation's measure
+    # measured 6.1e-7 (FoX) and 2.1e-6 (FoX-Pro) of the scale; export validation allows TOLERANCES["float32"], 1e-4
+    np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-5 * scale)
