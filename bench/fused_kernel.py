@@ -21,7 +21,7 @@ from onnx import TensorProto, helper
 from report import record
 
 from exporters.native_library import build
-from runtime.custom_ops import DOMAIN, OP_NAME, OP_VERSION
+from runtime.contract import OP_DOMAIN, OP_NAME, OP_VERSION
 
 BEGIN, END = "<!-- kernel:begin -->", "<!-- kernel:end -->"
 CASES = {"prompt chunk 256 after 3,840": (256, 4096), "prompt chunk 256 after 15,872": (256, 16384),
@@ -77,7 +77,7 @@ def sessions(seq: int, window: int, heads: int, dim: int, threads: int, library)
     outputs = ["output", "present_key", "present_value", "present_gate"]
     names = [*list(fused)[:4], "", *list(fused)[4:]]  # no gate bias
     run_fused = _bound(
-        _model(OP_NAME, DOMAIN, names, fused, outputs, num_heads=heads, kv_num_heads=heads), fused,
+        _model(OP_NAME, OP_DOMAIN, names, fused, outputs, num_heads=heads, kv_num_heads=heads), fused,
         dict(zip(["past_key", "past_value", "past_gate"], outputs[1:], strict=True)), threads, library,
     )  # fmt: skip
     bias = np.zeros((1, heads, seq, window), dtype=np.float32)

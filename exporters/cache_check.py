@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from exporters.validate import DECODE_STEPS, PROMPT_LENGTH, TOLERANCES, validation_prompt
-from runtime.artifact import ROW_HEADS_AXIS, ROWS_AXIS, SessionOptions
+from runtime import contract as io
+from runtime.artifact import SessionOptions
 from runtime.buffers import HOST_TYPES
 from runtime.generator import GenerationConfig, Generator
 
@@ -52,21 +53,21 @@ def check_cache(folder: Path, batch: int = 2) -> CacheCheck:
     check = CacheCheck(batch, PROMPT_LENGTH, DECODE_STEPS, 0, 0.0, tolerance)
 
     pasts = {
-        entry["name"]: np.zeros([batch if a == "batch" else 0 if a == "past" else a for a in entry["axes"]],
+        entry["name"]: np.zeros([batch if a == io.BATCH_AXIS else 0 if a == io.PAST_AXIS else a for a in entry["axes"]],
                                 dtype=HOST_TYPES[entry["dtype"]])
-        for entry in manifest["inputs"] if entry["name"].startswith("past_key_values.")
+        for entry in manifest["inputs"] if entry["name"].startswith(io.PAST_PREFIX)
     }  # fmt: skip
-    presents = [entry for entry in manifest["outputs"] if entry["name"] != "logits"]
+    presents = [entry for entry in manifest["outputs"] if entry["name"] != io.LOGITS]
     filled = 0
     for step, want in enumerate(result.step_logits):
-        feeds = {"input_ids": ids, "attention_mask": mask, **pasts}
+        feeds = {io.INPUT_IDS: ids, io.ATTENTION_MASK: mask, **pasts}
         if static:
-            feeds["cache_position"] = np.arange(filled, filled + ids.shape[1], dtype=np.int64)
+            feeds[io.CACHE_POSITION] = np.arange(filled, filled + ids.shape[1], dtype=np.int64)
         logits, *outputs = session.run(None, feeds)
         for entry, value in zip(presents, outputs, strict=True):
             # At the default window offsets a pruned graph folds no heads into rows
-            rows = {ROWS_AXIS: batch, ROW_HEADS_AXIS: manifest["model"]["num_kv_heads"]}
-            sizes = {"batch": batch, "total": filled + ids.shape[1], **rows}
+            rows = {io.ROWS_AXIS: batch, io.ROW_HEADS_AXIS: manifest["model"]["num_kv_heads"]}
+            sizes = {io.BATCH_AXIS: batch, io.TOTAL_AXIS: filled + ids.shape[1], **rows}
             shape = tuple(sizes.get(a, a) for a in entry["axes"])
             if value.shape != shape or value.dtype != HOST_TYPES[entry["dtype"]]:
                 check.failure = (
@@ -84,7 +85,7 @@ def check_cache(folder: Path, batch: int = 2) -> CacheCheck:
             )
             return check
         filled += ids.shape[1]
-        pasts = {name.replace("present.", "past_key_values."): value
+        pasts = {io.past_of(name): value
                  for name, value in zip((e["name"] for e in presents), outputs, strict=True)}  # fmt: skip
         ids = np.array([[row[step]] for row in result.tokens], dtype=np.int64)  # no row stops early
         mask = np.concatenate([mask, np.ones((batch, 1), dtype=np.int64)], axis=1)

@@ -7,10 +7,10 @@ import sys
 from pathlib import Path
 
 from exporters import export, quantization
-from exporters.contract import DEFAULT_OPSET
 from exporters.evaluate import Thresholds
 from exporters.export import ExportError, ExportOptions, QualityOptions, export_artifact
 from exporters.quantization import Quantization, QuantizationError
+from runtime.contract import DEFAULT_OPSET
 from runtime.pruning import parse_tolerance
 
 QUANTIZATION_FLAGS = ("block_size", "quant_method", "accuracy_level", "keep_float", "symmetric")

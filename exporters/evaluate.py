@@ -376,11 +376,7 @@ def evaluate(
     last window position, inclusive; None: default_bands of the longest window) also get figures of their own,
     held to the same thresholds. `eager`: eager's run, made already (on the windows this artifact takes).
     `progress` counts the windows each system scores."""
-    if context < 2:
-        raise EvalError(f"the context must be at least 2 tokens, got {context}")
-    for first, last in bands or ():
-        if not 0 <= first <= last:
-            raise EvalError(f"positions {first}-{last} are not a band: give first-last with 0 <= first <= last")
+    _check_windows(context, bands)
     try:
         checkpoint = resolve_checkpoint(model)
     except (ValueError, FileNotFoundError) as error:
@@ -408,17 +404,33 @@ def evaluate(
     )  # fmt: skip
     artifact_scores = None
     if generator is not None:
-        began = time.perf_counter()
-        max_batch = generator.artifact.manifest["cache"]["max_batch"]
-        artifact_scores = score_windows(generator.teacher_forced_logits, eager.windows, max_batch, vocab_size,
-                                        progress.advance)  # fmt: skip
-        evaluation.artifact = SystemResult.of(str(artifact), artifact_scores, time.perf_counter() - began)
+        evaluation.artifact, artifact_scores = _score_artifact(generator, str(artifact), eager, vocab_size, progress)
         evaluation.top1_agreement = float((artifact_scores.top1 == eager.scores.top1).mean())
     scored = (eager.scores, artifact_scores)
     evaluation.bands = [Band.of(first, last, *scored) for first, last in eager.bands]
     longest = max(map(len, eager.windows))
     evaluation.curve = [Band.of(first, last, *scored) for first, last in position_bins(longest)]
     return evaluation
+
+
+def _check_windows(context: int, bands: list[tuple[int, int]] | None) -> None:
+    """Refuse windows or bands that cannot be scored before the model and the text load."""
+    if context < 2:
+        raise EvalError(f"the context must be at least 2 tokens, got {context}")
+    for first, last in bands or ():
+        if not 0 <= first <= last:
+            raise EvalError(f"positions {first}-{last} are not a band: give first-last with 0 <= first <= last")
+
+
+def _score_artifact(
+    generator: Generator, name: str, eager: EagerRun, vocab_size: int, progress: Progress
+) -> tuple[SystemResult, Scores]:
+    """The artifact's half: the runtime scores the windows eager scored, as many at once as the artifact's batch
+    takes, with the same arithmetic, so that the two compare position by position."""
+    began = time.perf_counter()
+    max_batch = generator.artifact.manifest["cache"]["max_batch"]
+    scores = score_windows(generator.teacher_forced_logits, eager.windows, max_batch, vocab_size, progress.advance)
+    return SystemResult.of(name, scores, time.perf_counter() - began), scores
 
 
 def write_json(evaluation: Evaluation, path: Path) -> None:

@@ -23,10 +23,9 @@ import onnxruntime as ort
 from exporters.apart import ApartError, named, run_apart
 from exporters.cache_check import CacheCheck, check_cache
 from exporters.checkpoint_tokenizer import CheckpointTokenizer, TokenizerError, read_tokenizer
-from exporters.contract import DEFAULT_OPSET, DYNAMIC_MAX_POSITIONS
 from exporters.evaluate import EagerRun, EvalError, Evaluation, Thresholds, evaluate
-from exporters.manifest import MANIFEST_NAME, check_graph_matches
-from exporters.native_library import NativeUnavailable, available, build, manifest_entry
+from exporters.manifest import check_graph_matches, with_results
+from exporters.native_library import NativeUnavailable, available, build
 from exporters.preflight import PreflightError, preflight
 from exporters.progress import Progress
 from exporters.quantization import Quantization, QuantizationError
@@ -35,7 +34,7 @@ from exporters.validate import MIN_STATIC_LENGTH, References, ValidationReport, 
 from kvg_export.fla_format import is_fla, official_config
 from kvg_export.folders import publish, staging_folder
 from kvg_export.presets import resolve_checkpoint
-from runtime.device_cache import held_in_place
+from runtime.contract import DEFAULT_OPSET, DYNAMIC_MAX_POSITIONS, MANIFEST_NAME, held_in_place
 from runtime.pruning import check_tolerance
 
 AS_CONFIG = "config"  # --log-pruning-tolerance's default: the checkpoint config's log_pruning_tolerance
@@ -99,8 +98,9 @@ class ExportOptions:
 
 @dataclass
 class Lowered:
-    """What the torch half (exporters/lowering.py) hands back: the manifest (but for its validation), eager's
-    record of the validation run, and eager fp32's scores on held-out text for a quantized export."""
+    """What the torch half (exporters/lowering.py) hands back: the manifest (but for what is learned of the graph
+    afterwards, exporters/manifest.py's with_results), eager's record of the validation run, and eager fp32's
+    scores on held-out text for a quantized export."""
 
     manifest: dict
     references: References
@@ -310,7 +310,8 @@ def _float_graph(
     log: Callable[[str], None],
 ) -> tuple[dict, ValidationReport, EagerRun | None]:  # fmt: skip
     """The float graph at `model_path`, made by the torch half in a process of its own, then checked and
-    validated here; returns its manifest, the validation and eager's scores on held-out text (quantized only)."""
+    validated here; returns its manifest (with the validation's summary), the validation and eager's scores on
+    held-out text (quantized only)."""
     try:
         lowered = _apart_or_here(
             options, "exporters.lowering:lower", options, checkpoint, tokenizer, model_path, log=log
@@ -342,9 +343,8 @@ def _float_graph(
     log(report.table())
     if not report.passed:
         raise ExportError(f"validation failed: {report.failure}; nothing was written to {options.out}")
-    manifest["validation"] = report.summary()
     log(f"pruning   {_describe_pruning(manifest['pruning'])}")
-    return manifest, report, lowered.eager
+    return with_results(manifest, validation=report.summary()), report, lowered.eager
 
 
 def _build(
@@ -363,32 +363,37 @@ def _build(
         tokenizer.bpe().save(str(staging / manifest["files"]["tokenizer"]))
     if options.library is not None:  # the fused attention operator travels with its graph
         shutil.copy2(options.library, staging / options.library.name)
-        manifest["custom_ops"] = manifest_entry(options.library)
     config = json.loads((checkpoint / "config.json").read_text())
     if is_fla(config):  # the artifact is the official FoX the checkpoint maps onto, as transformers loads it
         (staging / "config.json").write_text(json.dumps(official_config(config), indent=2) + "\n")
     result = ExportResult(staging, 0, report)
     reports = {"parity": report.to_json()}
     if quantization:
-        manifest["quantization"] = stage(
+        record = stage(
             log, "quantize", lambda progress: _quantize(float_folder, staging, quantization, progress),
             lambda record: f"{quantization.name} MatMulNBits ({quantization.method}, block {quantization.block_size}, "
             f"accuracy level {quantization.accuracy_level}): {len(record['quantized_nodes'])} nodes quantized, "
             f"{len(record['float_nodes'])} kept in float",
         )  # fmt: skip
         shutil.rmtree(float_folder)
+        manifest = with_results(manifest, quantization=record)
         _check(staging / "model.onnx", manifest, options.opset)
-        (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")  # the runtime opens it to judge
+        _write_manifest(staging, manifest)  # the runtime opens the staged artifact to judge it
         result.cache_check, result.quality = _judge_quantized(
             options, staging, eager, manifest["model"]["vocab_size"], log
         )
-        manifest["validation"] |= {"quality": _quality_summary(result.quality)}
-        reports |= {"quantization": manifest["quantization"], "cache_check": result.cache_check.to_json(),
+        manifest = with_results(manifest, quality=_quality_summary(result.quality))
+        reports |= {"quantization": record, "cache_check": result.cache_check.to_json(),
                     "quality": result.quality.to_json()}  # fmt: skip
-    (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+    _write_manifest(staging, manifest)
     (staging / REPORT_NAME).write_text(json.dumps(reports if quantization else report.to_json(), indent=2) + "\n")
     result.size_bytes = sum(p.stat().st_size for p in staging.iterdir())
     return result
+
+
+def _write_manifest(staging: Path, manifest: dict) -> None:
+    """kvg_config.json, as the runtime reads it."""
+    (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
 
 
 def _check(model_path: Path, manifest: dict, opset: int) -> None:

@@ -16,10 +16,10 @@ import torch
 
 from exporters import passes
 from exporters.checkpoint_tokenizer import FAST_FILE, CheckpointTokenizer
-from exporters.contract import cache_layout
 from exporters.evaluate import DEFAULT_CONTEXT, EagerRun, EvalError, run_eager
 from exporters.export import AS_CONFIG, IN_PLACE_KINDS, ExportError, ExportOptions, Lowered
 from exporters.manifest import build_manifest, source_digest
+from exporters.native_library import manifest_entry
 from exporters.onnx_export import export_program, lower_to_onnx
 from exporters.preflight import parameters
 from exporters.progress import Progress
@@ -28,7 +28,7 @@ from exporters.stages import stage
 from exporters.validate import DECODE_STEPS
 from kvg_export.fox.pruning import bound_kind, score_bounds
 from kvg_export.presets import load_model
-from runtime.device_cache import held_in_place
+from runtime.contract import cache_layout, held_in_place
 from runtime.pruning import check_tolerance
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -86,8 +86,8 @@ def lower(
         source_sha256=source_digest(checkpoint), exporter_version=version("kvg-export"),
         files={"model": "model.onnx", "tokenizer": FAST_FILE if tokenizer else None}, window_offsets=offsets,
         text=tokenizer.rules if tokenizer else None, tokenizer_special_ids=tokenizer.special_ids if tokenizer else {},
+        pruning=pruning, custom_ops=manifest_entry(options.library) if options.library else None,
     )  # fmt: skip
-    manifest["pruning"] = pruning
     return Lowered(manifest, references, eager)
 
 

@@ -13,13 +13,10 @@ from pathlib import Path
 
 import onnx
 
-from exporters.contract import CACHE_FIELDS, KEPT_AXIS, LOGITS_TO_KEEP, PAST_TEMPLATE, PRESENT_TEMPLATE, CacheLayout
-from runtime.artifact import ROW_HEADS_AXIS, ROWS_AXIS
-from runtime.pruning import WINDOW_OFFSETS
+from runtime import contract as io
+from runtime.contract import CacheLayout
 from runtime.tokenizer import TextRules
 
-MANIFEST_NAME = "kvg_config.json"
-FORMAT_VERSION = 2  # 2: a static graph's attention_mask is the attention window, not the buffer
 ONNX_DTYPES = {"float32": onnx.TensorProto.FLOAT, "float16": onnx.TensorProto.FLOAT16,
                "bfloat16": onnx.TensorProto.BFLOAT16, "int64": onnx.TensorProto.INT64}  # fmt: skip
 
@@ -46,26 +43,27 @@ def graph_io(
     """The graph's inputs and outputs as the contract defines them: name, dtype and axes (names or sizes);
     `folded`: a run may fold the present keys' and values' heads into rows (exporters/passes/window_offsets.py)."""
     heads, kv_heads, head_dim = config.num_heads, config.kv_heads, config.head_dim
-    length_in, length_out = (max_cache_len, max_cache_len) if layout.static else ("past", "total")
+    length_in, length_out = (max_cache_len, max_cache_len) if layout.static else (io.PAST_AXIS, io.TOTAL_AXIS)
+    batch = io.BATCH_AXIS
 
     def cache_entry(name: str, field: str, length, rows: list) -> dict:
         axes = {
             "key": [*rows, length, head_dim],
             "value": [*rows, length, head_dim],
-            "gate": ["batch", heads, length],
-        }.get(field, ["batch", kv_heads * head_dim])
+            "gate": [batch, heads, length],
+        }.get(field, [batch, kv_heads * head_dim])
         return _io_entry(name, "float32" if field == "gate" else dtype, axes)
 
     inputs = [
-        _io_entry("input_ids", "int64", ["batch", "seq"]),
-        _io_entry("attention_mask", "int64", ["batch", "window" if layout.static else "total"]),
+        _io_entry(io.INPUT_IDS, "int64", [batch, io.SEQ_AXIS]),
+        _io_entry(io.ATTENTION_MASK, "int64", [batch, io.WINDOW_AXIS if layout.static else io.TOTAL_AXIS]),
     ]
     if layout.static:
-        inputs.append(_io_entry("cache_position", "int64", ["seq"]))
+        inputs.append(_io_entry(io.CACHE_POSITION, "int64", [io.SEQ_AXIS]))
     fields = layout.fields * layout.num_layers
-    rows_in, rows_out = ["batch", kv_heads], [ROWS_AXIS, ROW_HEADS_AXIS] if folded else ["batch", kv_heads]
+    rows_in, rows_out = [batch, kv_heads], [io.ROWS_AXIS, io.ROW_HEADS_AXIS] if folded else [batch, kv_heads]
     inputs += [cache_entry(n, f, length_in, rows_in) for n, f in zip(layout.past_names(), fields, strict=True)]
-    outputs = [_io_entry("logits", "float32", ["batch", KEPT_AXIS, config.vocab_size])]
+    outputs = [_io_entry(io.LOGITS, "float32", [batch, io.KEPT_AXIS, config.vocab_size])]
     outputs += [cache_entry(n, f, length_out, rows_out) for n, f in zip(layout.present_names(), fields, strict=True)]
     return inputs, outputs
 
@@ -74,17 +72,20 @@ def build_manifest(
     config, layout: CacheLayout, *, dtype: str, opset: int, max_cache_len: int | None, max_batch: int,
     attention: str, source: str, source_sha256: str, exporter_version: str, files: dict[str, str | None],
     window_offsets: bool = False, text: TextRules | None = None, tokenizer_special_ids: dict[str, int] | None = None,
+    pruning: dict | None = None, custom_ops: dict | None = None,
 ) -> dict:  # fmt: skip
-    """`attention`: "standard" (ONNX MatMul and Softmax, any provider), "fused" (the fused FoX operator, CPU, whose
-    library the artifact carries: `custom_ops`, added by export.py), "gqa" (onnxruntime's GroupQueryAttention,
-    which cannot take a chunk of a prompt after the first for batch > 1) or "onnx-attention". `text`: how the
-    tokenizer's text is escaped and what comes first (runtime/tokenizer.py's TextRules); `tokenizer_special_ids`:
-    the special tokens the tokenizer names, which stand in for those the model's config leaves out."""
+    """The manifest of a lowered graph, all but what is learned of it afterwards (`with_results`).
+
+    `attention`: "standard" (ONNX MatMul and Softmax, any provider), "fused" (the fused FoX operator, CPU, whose
+    library the artifact carries: `custom_ops`, exporters/native_library.py's manifest_entry), "gqa" (onnxruntime's
+    GroupQueryAttention, which cannot take a chunk of a prompt after the first for batch > 1) or "onnx-attention".
+    `text`: how the tokenizer's text is escaped and what comes first (runtime/tokenizer.py's TextRules);
+    `tokenizer_special_ids`: the special tokens the tokenizer names, which stand in for those the model's config
+    leaves out; `pruning`: the tolerance and score bounds the runtime prunes with (exporters/lowering.py), None
+    for a cache it cannot prune."""
     inputs, outputs = graph_io(config, layout, dtype, max_cache_len, folded=window_offsets and attention != "fused")
-    named = tokenizer_special_ids or {}
-    eos = config.eos_token_id if config.eos_token_id is not None else named.get("eos")
     return {
-        "format_version": FORMAT_VERSION,
+        "format_version": io.FORMAT_VERSION,
         "exporter_version": exporter_version,
         "source": {"model": source, "sha256": source_sha256, "model_type": config.model_type},
         "opset": opset,
@@ -108,23 +109,46 @@ def build_manifest(
             "hidden_size": config.hidden_size,
             "vocab_size": config.vocab_size,
         },
-        "names": {"past": PAST_TEMPLATE, "present": PRESENT_TEMPLATE, "fields": list(CACHE_FIELDS)},
+        "names": {"past": io.PAST_TEMPLATE, "present": io.PRESENT_TEMPLATE, "fields": list(io.CACHE_FIELDS)},
         "inputs": inputs,
         # inputs with a default (ONNX initializers that are also inputs), fed only to change it: in a pruned export
         # window_offsets, zeros (exporters/passes/window_offsets.py, which also folds its present keys and values);
         # logits_to_keep, 0 (every position's logits) unless fed n > 0 (the last n)
-        "optional_inputs": [_io_entry(WINDOW_OFFSETS, "int64", [config.num_hidden_layers, config.kv_heads])]
+        "optional_inputs": [_io_entry(io.WINDOW_OFFSETS, "int64", [config.num_hidden_layers, config.kv_heads])]
         * window_offsets
-        + [_io_entry(LOGITS_TO_KEEP, "int64", [1])],
+        + [_io_entry(io.LOGITS_TO_KEEP, "int64", [1])],
         "outputs": outputs,
-        "special_tokens": {
-            "bos": config.bos_token_id if config.bos_token_id is not None else named.get("bos"),
-            "eos": eos if isinstance(eos, list) or eos is None else [eos],
-            "pad": config.pad_token_id if config.pad_token_id is not None else named.get("pad"),
-        },
+        "special_tokens": _special_tokens(config, tokenizer_special_ids or {}),
         "text": asdict(text or TextRules()),
         "files": files,
-        "quantization": None,  # a quantized export records its settings here (exporters/quantize.py)
+        "quantization": None,  # with_results records a quantized export's settings here (exporters/quantize.py)
+        "pruning": pruning,
+        "validation": None,  # with_results records it once the graph is validated
+    } | ({"custom_ops": custom_ops} if custom_ops else {})
+
+
+def _special_tokens(config, named: dict[str, int]) -> dict:
+    """The config's bos, eos and pad ids, the tokenizer's `named` ones where the config leaves one out; eos always a
+    list (or None), as the runtime stops at any of them."""
+    eos = config.eos_token_id if config.eos_token_id is not None else named.get("eos")
+    return {
+        "bos": config.bos_token_id if config.bos_token_id is not None else named.get("bos"),
+        "eos": eos if isinstance(eos, list) or eos is None else [eos],
+        "pad": config.pad_token_id if config.pad_token_id is not None else named.get("pad"),
+    }
+
+
+def with_results(
+    manifest: dict, *, validation: dict | None = None, quantization: dict | None = None, quality: dict | None = None
+) -> dict:
+    """`manifest` with what the export learns of its graph after the lowering, each given as it becomes known: the
+    float graph's validation summary, a quantized graph's quantization record, then its quality on held-out text
+    (part of its validation); each one left out stays as it was. A new dict, not a patch: this and build_manifest
+    are where the manifest's content is decided."""
+    validation = validation or manifest["validation"]
+    return manifest | {
+        "validation": validation if quality is None else validation | {"quality": quality},
+        "quantization": quantization or manifest["quantization"],
     }
 
 

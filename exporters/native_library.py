@@ -22,7 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from runtime.custom_ops import DOMAIN, OP_NAME, OP_VERSION, platform_tag
+from runtime.contract import OP_DOMAIN, OP_NAME, OP_VERSION
+from runtime.custom_ops import platform_tag
 
 SOURCE = Path(__file__).parent / "native" / "fox_attention.cc"
 LIBRARY_NAME = "libkvg_fox_attention.so"
@@ -132,7 +133,7 @@ def build(headers: Path | None = None) -> Path:
 
 def manifest_entry(library: Path) -> dict:
     """What a fused artifact's manifest says of the library it carries (runtime/custom_ops.py reads it)."""
-    return {"file": library.name, "domain": DOMAIN, "op": OP_NAME, "version": OP_VERSION, "platform": platform_tag()}
+    return {"file": library.name, "domain": OP_DOMAIN, "op": OP_NAME, "version": OP_VERSION, "platform": platform_tag()}
 
 
 def available() -> Path | None:

@@ -15,11 +15,11 @@ import torch
 from torch.export import Dim, ExportedProgram
 
 from exporters import passes, weights_file
-from exporters.contract import DYNAMIC_MAX_POSITIONS, CacheLayout, cache_shape
-from exporters.passes.window_offsets import NAME as WINDOW_OFFSETS
 from exporters.translations import translations
 from exporters.wrappers import ExportableFox
 from kvg_export import FoxForCausalLM
+from runtime import contract as io
+from runtime.contract import DYNAMIC_MAX_POSITIONS, WINDOW_OFFSETS, CacheLayout, cache_shape
 
 EXAMPLE_BATCH, EXAMPLE_PAST, EXAMPLE_SEQ = 2, 3, 4
 
@@ -46,20 +46,20 @@ def example_inputs(model: FoxForCausalLM, layout: CacheLayout, max_cache_len: in
 def dynamic_shapes(layout: CacheLayout, max_batch: int, max_seq: int, window_offsets: bool) -> dict:
     """Shapes by the wrapper's parameters: input_ids, attention_mask, one tuple for its `*rest`, and its
     window_offsets when the graph takes them (one per layer and kv head: a fixed shape)."""
-    batch = Dim("batch", min=1, max=max_batch)
-    seq = Dim("seq", min=1, max=max_seq)
+    batch = Dim(io.BATCH_AXIS, min=1, max=max_batch)
+    seq = Dim(io.SEQ_AXIS, min=1, max=max_seq)
     if layout.static:
         # The window stops one short of the buffer for tracing only: a full-length slice is contiguous and a
         # shorter one is not, and torch.export guards on that. The ONNX graph is the same for every window.
-        mask, rest = {0: batch, 1: Dim("window", min=1, max=max_seq - 1)}, [{0: seq}]
+        mask, rest = {0: batch, 1: Dim(io.WINDOW_AXIS, min=1, max=max_seq - 1)}, [{0: seq}]
         per_field = {f: {0: batch} for f in layout.fields}
     else:
-        past = Dim("past", min=0, max=max_seq)
-        mask, rest = {0: batch, 1: Dim("total", min=1, max=2 * max_seq)}, []
+        past = Dim(io.PAST_AXIS, min=0, max=max_seq)
+        mask, rest = {0: batch, 1: Dim(io.TOTAL_AXIS, min=1, max=2 * max_seq)}, []
         per_field = {f: ({0: batch} if f.endswith("shift") else {0: batch, 2: past}) for f in layout.fields}
     rest += [per_field[f] for _ in range(layout.num_layers) for f in layout.fields]
-    shapes = {"input_ids": {0: batch, 1: seq}, "attention_mask": mask, "rest": tuple(rest)}
-    return shapes | ({"window_offsets": None} if window_offsets else {})
+    shapes = {io.INPUT_IDS: {0: batch, 1: seq}, io.ATTENTION_MASK: mask, "rest": tuple(rest)}
+    return shapes | ({WINDOW_OFFSETS: None} if window_offsets else {})
 
 
 def export_program(
@@ -90,20 +90,21 @@ def export_program(
 
 def _axis_names(layout: CacheLayout, name: str) -> list[str | None]:
     """Contract names of each axis of a graph input or output; None keeps a fixed size."""
-    length = None if layout.static else ("past" if name.startswith("past") else "total")
-    if name in ("input_ids", "logits"):
-        return ["batch", "seq"] + ([None] if name == "logits" else [])
-    if name == "attention_mask":
-        return ["batch", "window" if layout.static else "total"]
-    if name == "cache_position":
-        return ["seq"]
+    length = None if layout.static else (io.PAST_AXIS if name.startswith(io.PAST_PREFIX) else io.TOTAL_AXIS)
+    batch = io.BATCH_AXIS
+    if name in (io.INPUT_IDS, io.LOGITS):
+        return [batch, io.SEQ_AXIS] + ([None] if name == io.LOGITS else [])
+    if name == io.ATTENTION_MASK:
+        return [batch, io.WINDOW_AXIS if layout.static else io.TOTAL_AXIS]
+    if name == io.CACHE_POSITION:
+        return [io.SEQ_AXIS]
     if name == WINDOW_OFFSETS:
         return [None, None]
     if name.endswith("shift"):
-        return ["batch", None]
+        return [batch, None]
     if name.endswith("gate"):
-        return ["batch", None, length]
-    return ["batch", None, length, None]
+        return [batch, None, length]
+    return [batch, None, length, None]
 
 
 def lower_to_onnx(

@@ -7,8 +7,6 @@ import numpy as np
 import torch
 from torch.export import ExportedProgram
 
-from exporters.contract import CacheLayout, cache_shape
-from exporters.passes.window_offsets import NAME as WINDOW_OFFSETS
 from exporters.progress import Progress, untracked
 from exporters.validate import (
     APART_CHUNK,
@@ -23,6 +21,7 @@ from exporters.validate import (
 )
 from exporters.wrappers import ExportableFox
 from kvg_export import FoxForCausalLM
+from runtime.contract import WINDOW_OFFSETS, CacheLayout, cache_shape
 
 
 def _host(tensor: torch.Tensor) -> np.ndarray:

@@ -27,7 +27,7 @@ from onnxscript.values import Op, Opset
 import kvg_export.fox.attention  # registers kvg::decay_after
 import kvg_export.fox.fused_attention
 import kvg_export.fox.in_place_attention  # noqa: F401  (registers kvg::group_query_attention)
-from runtime.custom_ops import DOMAIN, OP_NAME, OP_VERSION
+from runtime.contract import OP_DOMAIN, OP_NAME, OP_VERSION
 
 
 def lower_softplus(x, beta: float = 1.0, threshold: float = 20.0):
@@ -91,10 +91,10 @@ GROUP_QUERY_ATTENTION = Op(
     ),
 )  # fmt: skip
 FOX_ATTENTION = Op(
-    Opset(DOMAIN, OP_VERSION),
+    Opset(OP_DOMAIN, OP_VERSION),
     OP_NAME,
     _attention_schema(
-        OP_NAME, DOMAIN, OP_VERSION,
+        OP_NAME, OP_DOMAIN, OP_VERSION,
         [("query", "T"), ("key", "T"), ("value", "T"), ("gate_logits", "T"), ("gate_bias", "T"), ("past_key", "T"),
          ("past_value", "T"), ("past_gate", "T"), ("attention_mask", "P"), ("cache_position", "P"),
          ("window_starts", "P"), ("key_shift_logits", "T"), ("past_key_shift", "T"), ("value_shift_logits", "T"),
@@ -149,13 +149,7 @@ def lower_group_query_attention(
     if starts is None:
         return one_window(op.CastLike(op.Where(allowed, bias, op.Constant(value_float=MINIMUM)), query))
     fold = Folding(query, allowed, starts, heads, kv_heads)
-    # A decode step whose pattern allows every slot (no padding) takes the bias as it is: GroupQueryAttention reads
-    # each row's own slots alone, and no later one, and masking costs a pass over every head's longest window. Only
-    # a one-token step asks, so the pattern's last row answers: all of a chunk's would cost a pass over [seq, window].
-    last_row = op.Slice(allowed, op.Constant(value_ints=[-1]), op.Constant(value_ints=[1 << 62]),
-                        op.Constant(value_ints=[2]))  # fmt: skip
-    everything = op.Cast(op.ReduceMin(op.Cast(last_row, to=INT32.dtype), keepdims=0), to=BOOL.dtype)
-    unmasked = op.And(fold.one_token, everything)
+    unmasked = _unpadded_decode_step(fold, allowed)
 
     def apart():
         lengths = op.Sub(last, starts)  # [kv_heads]: each head's slots before its last new one
@@ -189,6 +183,17 @@ def lower_group_query_attention(
         )
 
     return fold.either(fold.together, together, apart)
+
+
+def _unpadded_decode_step(fold: Folding, allowed):
+    """Whether this is a decode step whose pattern allows every slot (no padding): such a step takes the bias as it
+    is, since GroupQueryAttention reads each row's own slots alone, and no later one, and masking costs a pass over
+    every head's longest window. Only a one-token step asks, so the pattern's last row answers: all of a chunk's
+    would cost a pass over [seq, window]."""
+    last_row = op.Slice(allowed, op.Constant(value_ints=[-1]), op.Constant(value_ints=[1 << 62]),
+                        op.Constant(value_ints=[2]))  # fmt: skip
+    everything = op.Cast(op.ReduceMin(op.Cast(last_row, to=INT32.dtype), keepdims=0), to=BOOL.dtype)
+    return op.And(fold.one_token, everything)
 
 
 def _chunk_head_by_head(fold, query, key, value, key_cache, value_cache, bias, allowed, cache_position, lengths):

@@ -22,9 +22,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from exporters.contract import LOGITS_TO_KEEP, CacheLayout
 from exporters.progress import Progress, untracked
-from runtime.pruning import WINDOW_OFFSETS
+from runtime.contract import LOGITS_TO_KEEP, WINDOW_OFFSETS, CacheLayout
 
 PROMPT_LENGTH, DECODE_STEPS, PADDING = 8, 16, 3
 APART_SHIFT, APART_CHUNK = 2, 3  # the most slots a head drops before an ApartRun; the prompt chunk it feeds

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from exporters.contract import CACHE_FIELDS, CacheLayout
 from kvg_export import DynamicCache, FoxForCausalLM, StaticCache
+from runtime.contract import CACHE_FIELDS, CacheLayout
 
 
 class ExportableFox(nn.Module):

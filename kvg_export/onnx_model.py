@@ -22,6 +22,7 @@ from kvg_export.cache import DynamicCache, GatedCache, StaticCache
 from kvg_export.cache_layers import DynamicLayer
 from kvg_export.fox.configuration import FoxConfig
 from kvg_export.fox.modeling import PREFILL_CHUNK
+from runtime import contract as io
 from runtime.artifact import Artifact, SessionOptions
 from runtime.buffers import element_type
 
@@ -39,7 +40,7 @@ class OnnxFoxForCausalLM(PreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.artifact = artifact
         self.session_device = torch.device("cuda", 0) if artifact.device == "cuda" else torch.device("cpu")
-        self.fields = [name.split(".", 2)[2] for name in artifact.past_names() if name.startswith("past_key_values.0.")]
+        self.fields = list(artifact.manifest["cache"]["fields"])  # each layer's cache tensors, in order
         self.dtype_name = artifact.manifest["dtype"]
         # The fields a run gives new tensors for: all of them on a dynamic cache, the shift states on a static one
         # (its keys, values and gates are written where they lie)
@@ -166,15 +167,15 @@ class OnnxFoxForCausalLM(PreTrainedModel, GenerationMixin):
         batch, seq = input_ids.shape
         binding = self.artifact.session.io_binding()
         held = [
-            self._bind(binding.bind_input, "input_ids", input_ids),
-            self._bind(binding.bind_input, "attention_mask", attention_mask),
+            self._bind(binding.bind_input, io.INPUT_IDS, input_ids),
+            self._bind(binding.bind_input, io.ATTENTION_MASK, attention_mask),
         ]
         if self.static:
-            held.append(self._bind(binding.bind_input, "cache_position", cache_position))
+            held.append(self._bind(binding.bind_input, io.CACHE_POSITION, cache_position))
         if kept:
-            held.append(self._bind(binding.bind_input, "logits_to_keep", torch.tensor([kept])))
+            held.append(self._bind(binding.bind_input, io.LOGITS_TO_KEEP, torch.tensor([kept])))
         logits = torch.empty(batch, kept or seq, self.config.vocab_size, dtype=torch.float32, device=self.device)
-        self._bind(binding.bind_output, "logits", logits)
+        self._bind(binding.bind_output, io.LOGITS, logits)
         presents = []
         for index, layer in enumerate(pasts):
             written = {}
@@ -183,8 +184,8 @@ class OnnxFoxForCausalLM(PreTrainedModel, GenerationMixin):
                 in_place = field not in self.written_fields
                 present = past if in_place else torch.empty(self._present_shape(past, field, seq), dtype=past.dtype,
                                                             device=self.device)  # fmt: skip
-                held.append(self._bind(binding.bind_input, f"past_key_values.{index}.{field}", past))
-                self._bind(binding.bind_output, f"present.{index}.{field}", present)
+                held.append(self._bind(binding.bind_input, io.PAST_TEMPLATE.format(layer=index, field=field), past))
+                self._bind(binding.bind_output, io.PRESENT_TEMPLATE.format(layer=index, field=field), present)
                 written[field] = present
             presents.append(written)
         self.artifact.session.run_with_iobinding(binding)

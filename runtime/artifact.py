@@ -14,14 +14,11 @@ from pathlib import Path
 import onnxruntime as ort
 
 from runtime import custom_ops
+from runtime.contract import FORMAT_VERSION, LOGITS_TO_KEEP, MANIFEST_NAME, PAST_PREFIX, PRESENT_PREFIX, ROWS_AXIS
 
-MANIFEST_NAME = "kvg_config.json"
-SUPPORTED_FORMAT = 2
 ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int64)": "int64",
              "tensor(bfloat16)": "bfloat16"}  # fmt: skip
 PROVIDERS = {"cuda": "CUDAExecutionProvider", "cpu": "CPUExecutionProvider"}
-# A present key's or value's first two axes where a run may fold its heads into rows (see `Artifact.folds`)
-ROWS_AXIS, ROW_HEADS_AXIS = "rows", "row_heads"
 
 
 class ArtifactError(Exception):
@@ -55,9 +52,9 @@ def read_manifest(folder: Path) -> dict:
         raise ArtifactError(f"{folder} has no {MANIFEST_NAME}; is it a kvg-export artifact?") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ArtifactError(f"{path} is not valid JSON ({error}); re-export the model") from None
-    if manifest.get("format_version") != SUPPORTED_FORMAT:
+    if manifest.get("format_version") != FORMAT_VERSION:
         raise ArtifactError(
-            f"{path} has format_version {manifest.get('format_version')!r}; this runtime reads {SUPPORTED_FORMAT}: "
+            f"{path} has format_version {manifest.get('format_version')!r}; this runtime reads {FORMAT_VERSION}: "
             f"re-export the model (`kvg-export MODEL --out {folder} --force`)"
         )
     return manifest
@@ -231,10 +228,10 @@ class Artifact:
         return self.manifest["model"]["vocab_size"]
 
     def past_names(self) -> list[str]:
-        return [e["name"] for e in self.manifest["inputs"] if e["name"].startswith("past_key_values.")]
+        return [e["name"] for e in self.manifest["inputs"] if e["name"].startswith(PAST_PREFIX)]
 
     def present_names(self) -> list[str]:
-        return [e["name"] for e in self.manifest["outputs"] if e["name"].startswith("present.")]
+        return [e["name"] for e in self.manifest["outputs"] if e["name"].startswith(PRESENT_PREFIX)]
 
     def gate_names(self) -> list[str]:
         """Each layer's gate input, layer by layer: what forget-gate pruning reads."""
@@ -248,7 +245,7 @@ class Artifact:
     def keeps_logits(self) -> bool:
         """Whether the graph takes `logits_to_keep` (exporters/passes/last_logits.py): a prefill's logits can then
         be its last position's alone."""
-        return self.takes("logits_to_keep")
+        return self.takes(LOGITS_TO_KEEP)
 
     def input_spec(self, name: str) -> dict:
         return next(e for e in self.manifest["inputs"] if e["name"] == name)

@@ -13,7 +13,6 @@ import platform
 import sys
 from pathlib import Path
 
-DOMAIN, OP_NAME, OP_VERSION = "kvg.fox", "FoxAttention", 2
 # x86-64 levels the library may be built for, by the CPU flags each needs beyond the one before
 X86_LEVELS = {"x86-64-v3": {"avx2", "fma", "bmi2", "f16c"}}
 

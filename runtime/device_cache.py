@@ -20,20 +20,14 @@ import onnxruntime as ort
 
 from runtime import buffers
 from runtime.artifact import Artifact
-from runtime.pruning import WINDOW_OFFSETS, PruningError, needed_slots
+from runtime.contract import BATCH_AXIS, PAST_AXIS, WINDOW_OFFSETS, held_in_place
+from runtime.pruning import PruningError, needed_slots
 
 PRUNE_EVERY = 64  # decode steps between two prunings (each sums every head's gates over the window)
 
 
 def _field(name: str) -> str:
     return name.rsplit(".", 1)[-1]
-
-
-def held_in_place(static: bool, attention: str) -> bool:
-    """Whether the runtime holds a cache's keys, values and gates in place, one buffer bound as past and present:
-    a static cache's always, a dynamic one's where the fused operator or GroupQueryAttention appends to it. Only
-    such a cache can move its slots, as forget-gate pruning does."""
-    return static or attention in ("fused", "gqa")
 
 
 class DeviceCache:
@@ -91,7 +85,7 @@ class DeviceCache:
     def _zeros(self, name: str) -> ort.OrtValue:
         spec = self.artifact.input_spec(name)
         past = self.length if name in self.in_place else 0  # a static buffer's length is a number in the spec
-        shape = [self.batch if axis == "batch" else past if axis == "past" else axis for axis in spec["axes"]]
+        shape = [self.batch if axis == BATCH_AXIS else past if axis == PAST_AXIS else axis for axis in spec["axes"]]
         return buffers.zeros(shape, spec["dtype"], self.device)
 
     def reset(self) -> None:
@@ -100,7 +94,7 @@ class DeviceCache:
         In-place buffers are allocated zeroed once and then kept: a stale slot is never attended (it lies
         after the query, with weight exactly 0, or is rewritten first), but it must be finite, since
         0 * NaN is NaN. Everything else restarts from zero (shift states) or from empty every generation.
-        Pruning stops until `prune_with` starts it again.
+        Pruning stops until `start` starts it again.
         """
         self.thresholds, self.moved = None, True
         self.dropped = np.zeros((len(self.gate_names), self.heads), dtype=np.int64)  # positions each head dropped
@@ -117,10 +111,13 @@ class DeviceCache:
             if past in self.swapped:
                 self.spare[past] = self._zeros(past)
 
-    def prune_with(self, thresholds) -> None:
-        """Drop the slots every head's decay has put below its threshold (`[layers, heads]`, see
-        runtime/pruning.py) from now on."""
-        self.thresholds = np.asarray(thresholds)
+    def start(self, thresholds, length: int) -> None:
+        """Begin a request: from now on drop the slots every head's decay has put below its threshold
+        (`[layers, heads]`, see runtime/pruning.py; None: keep every slot), and make the buffers hold its first
+        `length` positions unless pruning bounds them."""
+        self.thresholds = None if thresholds is None else np.asarray(thresholds)
+        if self.thresholds is None:
+            self.reserve(length)
 
     def window_mask(self, mask: np.ndarray, end: int) -> np.ndarray:
         """The attention mask of positions [offset, end) `[batch, end - offset]` for the slots the buffers hold.
@@ -134,6 +131,16 @@ class DeviceCache:
             mask[:, offset] = np.where(mask[:, offset] > 0, counts, 0)
             self.counted = offset
         return np.ascontiguousarray(mask[:, offset:end])
+
+    def prepare(self, mask: np.ndarray, filled: int, new: int, rows=slice(None)) -> tuple[int, int, np.ndarray]:
+        """Before a run of up to `new` positions after the first `filled` of `mask` `[batch, >= filled + new]`:
+        make room for them (see `make_room`; `rows` None: drop nothing) and grow the buffers to hold them.
+        Returns how many of them fit, the slot the first is written to, and the run's attention mask."""
+        if rows is not None:
+            new = self.make_room(filled, new, rows)
+        slot = filled - self.offset
+        self.reserve(slot + new)
+        return new, slot, self.window_mask(mask, filled + new)
 
     def make_room(self, filled: int, new: int, rows) -> int:
         """Before a run of up to `new` positions after `filled`: drop (when pruning) the slots that `rows` (those
@@ -241,10 +248,10 @@ class DeviceCache:
             buffers.bind_row_state(binding, (past, present), held, dtype, self.device, row, chunk, chunks)
         self.moved = True  # the next decode step binds every row again
 
-    def bind_step(self, binding: ort.IOBinding, following: ort.IOBinding, fresh: bool = False) -> None:
-        """Before a decode step on `binding`, the next one to run on `following`: decode steps alternate between two
-        bindings as the swapped states' buffers do, so each is bound in full only when it is `fresh` or the cache
-        `moved`; in between, only the fed-back tensors change."""
+    def bind_step(self, binding: ort.IOBinding, following: ort.IOBinding, rows: int, fresh: bool) -> None:
+        """Before a decode step on `binding` (of all `rows`, the cache's batch), the next one to run on `following`:
+        decode steps alternate between two bindings as the swapped states' buffers do, so each is bound in full only
+        when it is `fresh` or the cache `moved`; in between, only the fed-back tensors change."""
         if fresh or self.moved:
             self.bind(following, ahead=True)
             self.bind(binding)

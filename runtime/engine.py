@@ -14,19 +14,20 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 from runtime.artifact import ArtifactError
+from runtime.decode_step import DecodeStep
 from runtime.device_cache import PRUNE_EVERY
-from runtime.generator import GenerationConfig, Generator, bind_chunk, chunk_size, chunk_spans
+from runtime.generator import Generator, bind_chunk, chunk_size, chunk_spans
 from runtime.logprobs import TokenLogprob, chosen_logprob, prompt_logprobs
 from runtime.prefix_cache import Block, PrefixCache
 from runtime.pruning import PruningError, needed_slots
 from runtime.row_cache import RowCache
-from runtime.sampling import Sampler
+from runtime.search import GenerationConfig, Search
 
 
 @dataclass(frozen=True)
@@ -83,13 +84,13 @@ class Request:
 class _Row:
     request: Request
     begin: int  # the slot of the request's first token
-    sampler: Sampler
-    stop_ids: frozenset[int]  # the end-of-text tokens and the request's stop tokens
-    stops: np.ndarray  # the same, as the ids banned before min_new_tokens
-    generated: list[int] = field(default_factory=list)
-    context: list[np.ndarray] | None = None  # the prompt and tokens so far, for a repetition penalty
+    search: Search  # of this request alone: its tokens are those it gets alone
     thresholds: np.ndarray | None = None  # forget-gate pruning's, per layer and head (None: every key kept)
     dropped: int = 0  # the request's oldest positions that pruning dropped: its slots before `begin`
+
+    @property
+    def generated(self) -> list[int]:
+        return self.search.tokens[0]
 
     @property
     def feeds_left(self) -> int:
@@ -150,9 +151,9 @@ class Engine:
         self.cache = RowCache(generator.artifact, max_batch)
         self.rows: list[_Row | None] = [None] * max_batch
         self.clock = 0  # the slot the next decode step writes, in every row
-        # Decode steps share one binding: keys, values and gates stay bound while the step's row count holds
-        self._decode = generator.artifact.session.io_binding()
-        self._bound_rows = 0
+        self.decode_one_token = DecodeStep(
+            generator.artifact, self.cache, generator.artifact.session.run_with_iobinding
+        )
         self.waiting: deque[Request] = deque()
         self._wake = threading.Condition()
         self._closing = False
@@ -377,16 +378,12 @@ class Engine:
 
     def _join(self, filling: _Filling, begin: int, logits: np.ndarray) -> None:
         """A prefilled request's row, decoding from its first token on (chosen from the prompt's last `logits`)."""
-        request = filling.request
+        request, generator = filling.request, self.generator
         config, prompt = request.config, request.prompt
-        penalised = config.sampling.repetition_penalty != 1.0
-        context = [np.array(prompt, dtype=np.int64)] if penalised else None
-        stop_ids = frozenset(self.generator.eos) | frozenset(config.stop_tokens)
-        stops = np.array(sorted(stop_ids), dtype=np.int64)
-        pruning = self.generator.pruning
+        pruning = generator.pruning
         thresholds = None if pruning is None else pruning.thresholds(len(prompt) + config.max_new_tokens - 1)
-        sampler = Sampler(config.sampling)
-        self.rows[filling.row] = _Row(request, begin, sampler, stop_ids, stops, context=context, thresholds=thresholds)
+        search = Search(config, [prompt], generator.eos, generator.pad)
+        self.rows[filling.row] = _Row(request, begin, search, thresholds)
         self._choose(filling.row, logits)
 
     @property
@@ -406,35 +403,29 @@ class Engine:
         elif self.generator.pruning is not None and self.clock % PRUNE_EVERY == 0:
             self._prune()
         count = max(index for index, row in enumerate(self.rows) if row is not None) + 1
+        ids, mask = self._step_inputs(count)
+        try:
+            logits = self.decode_one_token(ids, self.clock, mask)
+        except Exception as error:  # nothing of this step is usable: its requests fail, later ones go on
+            self._fail_running(f"decode step failed: {error}")
+            return
+        self.clock += 1
+        for index in range(count):
+            if self.rows[index] is not None:
+                self._choose(index, logits[index : index + 1])
+
+    def _step_inputs(self, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """A step's token ids `[count, 1]` and mask `[count, clock + 1]` over rows [0, count): each running row
+        attends its own slots from its `begin`, and a free row (fed padding) its own slot alone."""
         ids = np.full((count, 1), self.generator.pad, dtype=np.int64)
-        begins = np.full(count, self.clock, dtype=np.int64)  # a free row attends its own slot alone
+        begins = np.full(count, self.clock, dtype=np.int64)
         dropped = np.zeros(count, dtype=np.int64)
         for index, row in enumerate(self.rows[:count]):
             if row is not None:
                 ids[index, 0], begins[index], dropped[index] = row.generated[-1], row.begin, row.dropped
         mask = (np.arange(self.clock + 1) >= begins[:, None]).astype(np.int64)
         mask[np.arange(count), begins] += dropped  # so that RoPE positions count them (see DeviceCache.window_mask)
-        binding = self._decode
-        binding.bind_cpu_input("input_ids", ids)
-        binding.bind_cpu_input("attention_mask", mask)
-        binding.bind_cpu_input("cache_position", np.array([self.clock], dtype=np.int64))
-        if count != self._bound_rows:  # the logits output keeps its last shape until bound again
-            binding.bind_output("logits", self.cache.device)
-            self.cache.bind_rows(binding, count)
-            self._bound_rows = count
-        else:
-            self.cache.bind_shift_states(binding, count)
-        try:
-            self.generator.artifact.session.run_with_iobinding(binding)
-        except Exception as error:  # nothing of this step is usable: its requests fail, later ones go on
-            self._fail_running(f"decode step failed: {error}")
-            return
-        self.cache.stepped()
-        self.clock += 1
-        logits = binding.get_outputs()[0].numpy()[:, -1]
-        for index in range(count):
-            if self.rows[index] is not None:
-                self._choose(index, logits[index : index + 1])
+        return ids, mask
 
     def _drop_cancelled(self) -> None:
         for index, row in enumerate(self.rows):
@@ -482,28 +473,23 @@ class Engine:
         if request.cancelled:
             self.rows[index] = None
             return
-        early = len(row.generated) < config.min_new_tokens
-        banned = row.stops if early and row.stops.size else None  # as Generator bans
+        search = row.search
         try:
-            token = int(row.sampler.choose(logits, row.context, banned)[0])
+            banned = search.banned
+            token = int(search.choose(logits)[0])
             scored = None
             if request.logprobs is not None:
-                scored = chosen_logprob(logits, token, config.sampling, request.logprobs, row.context, banned)
+                scored = chosen_logprob(logits, token, config.sampling, request.logprobs, search.context, banned)
         except Exception as error:  # a fault in one request's sampling fails that request only
             self.rows[index] = None
             self._send(request, Failed(f"sampling failed: {error}"))
             return
-        row.generated.append(token)
-        if row.context is not None:
-            row.context[0] = np.append(row.context[0], token)
+        search.record(np.array([token]))
         if not self._send(request, Token(token, scored)):
             self.rows[index] = None
             return
-        reason = None
-        if token in row.stop_ids and len(row.generated) >= config.min_new_tokens:
-            reason = "stop"
-        elif row.feeds_left == 0 or (request.deadline is not None and time.monotonic() > request.deadline):
-            reason = "length"
-        if reason is not None:
+        if not search.done and request.deadline is not None and time.monotonic() > request.deadline:
+            search.end(0, "length")
+        if search.done:
             self.rows[index] = None
-            self._send(request, Finished(reason, len(request.prompt), len(row.generated)))
+            self._send(request, Finished(search.reasons[0], len(request.prompt), len(row.generated)))

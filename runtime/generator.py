@@ -17,10 +17,11 @@ import numpy as np
 import onnxruntime as ort
 
 from runtime.artifact import Artifact, ArtifactError, SessionOptions
+from runtime.contract import ATTENTION_MASK, CACHE_POSITION, INPUT_IDS, LOGITS, LOGITS_TO_KEEP, held_in_place
 from runtime.decode_step import DecodeStep
-from runtime.device_cache import DeviceCache, held_in_place
+from runtime.device_cache import DeviceCache
 from runtime.pruning import AS_EXPORTED, Pruning, Tolerance
-from runtime.sampling import Sampler, SamplingConfig
+from runtime.search import GenerationConfig, Search
 from runtime.text_stream import TextStream
 from runtime.tokenizer import TextTokenizer
 
@@ -30,15 +31,6 @@ RESERVED_NEW_TOKENS = 256
 IDLE_CACHES = 4  # caches kept for later calls once the calls that used them have ended, most recent first
 PREFILL_WORKING_SET = 256 << 20  # bytes of a prefill run's attention terms (see chunk_size)
 KEEP_LAST = ort.OrtValue.ortvalue_from_numpy(np.ones(1, dtype=np.int64))  # logits_to_keep: the last position's
-
-
-@dataclass(frozen=True)
-class GenerationConfig:
-    max_new_tokens: int = 64
-    min_new_tokens: int = 0
-    stop_tokens: tuple[int, ...] = ()  # besides the model's eos ids
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    prefill_chunk: int = 256  # prompts are prefilled in chunks of at most this many tokens (see chunk_size)
 
 
 @dataclass
@@ -187,78 +179,59 @@ class Generator:
         self, prompts: list[list[int]], config: GenerationConfig, keep_logits: bool, text_events: bool,
         cache: DeviceCache,
     ):  # fmt: skip
+        """gpt-fast's decode_n_tokens: prefill, then each step choose, emit and feed back one token a row."""
         start = time.perf_counter()
         ids, mask = left_padded(prompts, self.pad, config.max_new_tokens)
-        batch, width = ids.shape
-        self._start_pruning(cache, width + config.max_new_tokens - 1)  # the last new token is never fed back
-        if cache.thresholds is None:  # a pruned cache grows as its window does, if it grows at all
-            cache.reserve(width + min(config.max_new_tokens - 1, RESERVED_NEW_TOKENS))
-        binding = self.artifact.session.io_binding()
+        self._start(cache, ids.shape[1], config.max_new_tokens)
         run = SessionClock(self.artifact.session)
-        sampler = Sampler(config.sampling)
-        stop_ids = set(self.eos) | set(config.stop_tokens)
-        stops = np.array(sorted(stop_ids), dtype=np.int64)
-        penalised = config.sampling.repetition_penalty != 1.0
-        context = [np.array(p, dtype=np.int64) for p in prompts] if penalised else None
-        generated: list[list[int]] = [[] for _ in range(batch)]
-        reasons = ["length"] * batch
-        done, finished = np.zeros(batch, dtype=bool), 0
-        texts = [TextStream(self.tokenizer) for _ in range(batch)] if text_events and self.tokenizer else None
-        step_logits, first_token_s = [], None
-
-        logits = self._prefill(binding, cache, ids, mask, config.prefill_chunk, run)
-        prefill_ort_s = run.seconds
-        decode_one_token = DecodeStep(self.artifact, cache, run)
-        filled = width
-        for step in range(config.max_new_tokens):
-            banned = stops if step < config.min_new_tokens and stops.size else None
+        logits = self._prefill(self.artifact.session.io_binding(), cache, ids, mask, config.prefill_chunk, run)
+        prefill_s, first_token_s, step_logits = run.seconds, None, []
+        search = Search(config, prompts, self.eos, self.pad)
+        texts = [TextStream(self.tokenizer) for _ in prompts] if text_events and self.tokenizer else None
+        decode_one_token, filled = DecodeStep(self.artifact, cache, run), ids.shape[1]
+        while True:
             if keep_logits:
                 step_logits.append(logits.copy())
-            chosen = sampler.choose(logits, context, banned)
-            if finished:
-                chosen = np.where(done, self.pad, chosen)
+            chosen = search.choose(logits)
             if first_token_s is None:
                 first_token_s = time.perf_counter() - start
-            for row, token in enumerate(chosen.tolist()):
-                if done[row]:
-                    continue
-                generated[row].append(token)
-                if penalised:
-                    context[row] = np.append(context[row], token)
-                stops_here = token in stop_ids and step + 1 >= config.min_new_tokens
-                text = texts[row].push(token) if texts else ""
-                if texts and (stops_here or step + 1 == config.max_new_tokens):  # the row's last token: no
-                    text += texts[row].flush()  # later one completes a character it leaves unfinished
-                yield TokenEvent(row, token, text)
-                if stops_here:
-                    done[row], reasons[row] = True, "stop"
+            for row, token, last in search.record(chosen):
+                yield TokenEvent(row, token, texts[row].push(token, last) if texts else "")
+                if last:
                     mask[row, filled:] = 0
-                    finished += 1
-            if finished == batch or step + 1 == config.max_new_tokens:
+            if search.done:
                 break
-            logits = decode_one_token(chosen[:, None], mask, filled, ~done)
+            _, slot, window = cache.prepare(mask, filled, 1, ~search.ended)
+            logits = decode_one_token(chosen[:, None], slot, window)
             filled += 1
-        wall = time.perf_counter() - start
-        decode_tokens = sum(max(len(g) - 1, 0) for g in generated)
+        return self._result(search, cache, run, time.perf_counter() - start, first_token_s, prefill_s, step_logits)
+
+    def _result(
+        self, search: Search, cache: DeviceCache, run: SessionClock, wall: float, first_token_s: float,
+        prefill_s: float, step_logits: list[np.ndarray],
+    ) -> GenerationResult:  # fmt: skip
+        decode_tokens = sum(max(len(tokens) - 1, 0) for tokens in search.tokens)
         decode_s = wall - first_token_s
         return GenerationResult(
-            tokens=generated,
-            text=[self.tokenizer.decode(g) for g in generated] if self.tokenizer else None,
-            finish_reasons=reasons,
+            tokens=search.tokens,
+            text=[self.tokenizer.decode(tokens) for tokens in search.tokens] if self.tokenizer else None,
+            finish_reasons=search.reasons,
             time_to_first_token_s=first_token_s,
             decode_tokens_per_s=decode_tokens / decode_s if decode_s > 0 else float("inf"),
-            steps=max(map(len, generated)),
+            steps=search.steps,
             onnxruntime_s=run.seconds,
-            decode_onnxruntime_s=run.seconds - prefill_ort_s,
+            decode_onnxruntime_s=run.seconds - prefill_s,
             wall_s=wall,
             pruned_positions=cache.dropped.tolist(),
             step_logits=step_logits,
         )
 
-    def _start_pruning(self, cache: DeviceCache, positions: int) -> None:
-        """Prune a request of at most `positions` positions, if this generator prunes."""
-        if self.pruning is not None:
-            cache.prune_with(self.pruning.thresholds(positions))
+    def _start(self, cache: DeviceCache, width: int, new_tokens: int) -> None:
+        """Start a request of prompts `width` long and up to `new_tokens` more on `cache`, pruning it if this
+        generator prunes (else its buffers hold the prompt and RESERVED_NEW_TOKENS more from the start)."""
+        positions = width + new_tokens - 1  # the last new token is never fed back
+        thresholds = None if self.pruning is None else self.pruning.thresholds(positions)
+        cache.start(thresholds, width + min(new_tokens - 1, RESERVED_NEW_TOKENS))
 
     def teacher_forced_logits(self, ids: np.ndarray, prefill_chunk: int = GenerationConfig.prefill_chunk) -> np.ndarray:
         """Every position's logits `[batch, seq, vocab]` (float32) for rows of `seq` token ids `[batch, seq]`,
@@ -267,9 +240,7 @@ class Generator:
         batch, width = ids.shape
         self.check_request(ids.tolist(), GenerationConfig(max_new_tokens=1, prefill_chunk=prefill_chunk))
         with self._held_cache(batch) as cache:
-            self._start_pruning(cache, width)
-            if cache.thresholds is None:
-                cache.reserve(width)
+            self._start(cache, width, 1)
             binding = self.artifact.session.io_binding()
             mask = np.ones((batch, width), dtype=np.int64)
             run = SessionClock(self.artifact.session)
@@ -323,11 +294,7 @@ class Generator:
         positions filled then. `row_chunk` (row, chunk, chunks): the chunk is that row's alone (see
         `DeviceCache.bind_row`), and nothing is pruned."""
         new = min(most, ids.shape[1] - filled)
-        if row_chunk is None:
-            new = cache.make_room(filled, new, slice(None))
-        slot = filled - cache.offset
-        cache.reserve(slot + new)
-        window = cache.window_mask(mask, filled + new)
+        new, slot, window = cache.prepare(mask, filled, new, slice(None) if row_chunk is None else None)
         bind_chunk(binding, self.artifact, ids[:, filled : filled + new], window, slot, cache.device, last_only)
         if row_chunk is None:
             cache.bind(binding)
@@ -373,13 +340,13 @@ def bind_chunk(
     graph can spare the others (exporters/passes/last_logits.py). The cache is the caller's to bind."""
     binding.clear_binding_inputs()
     binding.clear_binding_outputs()
-    binding.bind_cpu_input("input_ids", np.ascontiguousarray(ids))
-    binding.bind_cpu_input("attention_mask", np.ascontiguousarray(mask))
+    binding.bind_cpu_input(INPUT_IDS, np.ascontiguousarray(ids))
+    binding.bind_cpu_input(ATTENTION_MASK, np.ascontiguousarray(mask))
     if artifact.static:
-        binding.bind_cpu_input("cache_position", np.arange(filled, filled + ids.shape[1], dtype=np.int64))
+        binding.bind_cpu_input(CACHE_POSITION, np.arange(filled, filled + ids.shape[1], dtype=np.int64))
     if last_only and artifact.keeps_logits:
-        binding.bind_ortvalue_input("logits_to_keep", KEEP_LAST)
-    binding.bind_output("logits", device)
+        binding.bind_ortvalue_input(LOGITS_TO_KEEP, KEEP_LAST)
+    binding.bind_output(LOGITS, device)
 
 
 def chunk_size(artifact: Artifact, rows: int, buffer: int, most: int, window: int | None = None) -> int:

@@ -18,7 +18,6 @@ import numpy as np
 
 from runtime.artifact import ArtifactError
 
-WINDOW_OFFSETS = "window_offsets"  # the graph input of each head's window start (exporters/passes/window_offsets.py)
 AS_EXPORTED = "artifact"  # a tolerance that means: as the artifact's manifest records it
 Tolerance = float | str | None  # a log_pruning_tolerance, AS_EXPORTED, or None: no pruning
 

@@ -47,20 +47,26 @@ class RowCache:
         """Bind rows [first, first + count) of `value` (a buffer of tensor `past`) as `name`, by address."""
         buffers.bind_rows(bind, name, value, self.dtypes[past], self.device, first, count)
 
-    def bind_rows(self, binding: ort.IOBinding, count: int) -> None:
-        """A decode step over rows [0, count): keys, values and gates in place, shift states into the spares."""
-        for past, present in self.slotted:
-            self._bind(binding.bind_input, past, past, self.buffers[past], 0, count)
-            self._bind(binding.bind_output, present, past, self.buffers[past], 0, count)
-        self.bind_shift_states(binding, count)
+    feeds_back = False  # every tensor is written where it lies: a step's outputs are never bound as the next's inputs
 
-    def bind_shift_states(self, binding: ort.IOBinding, count: int) -> None:
-        """The shift states alone: they trade buffers every step, while keys, values and gates stay bound."""
-        for past, present in self.shifted:
-            self._bind(binding.bind_input, past, past, self.buffers[past], 0, count)
-            self._bind(binding.bind_output, present, past, self.spare[past], 0, count)
+    def bind_step(self, binding: ort.IOBinding, following: ort.IOBinding, rows: int, fresh: bool) -> None:
+        """Before a decode step over rows [0, rows) on `binding`, the next one to run on `following`: both are bound
+        when `fresh` (the row count changed) and then kept, keys, values and gates in place, and the shift states
+        read from one buffer and written to the other, the two bindings reading them from opposite ones."""
+        if not fresh:
+            return
+        for target, ahead in ((binding, False), (following, True)):
+            for past, present in self.slotted:
+                self._bind(target.bind_input, past, past, self.buffers[past], 0, rows)
+                self._bind(target.bind_output, present, past, self.buffers[past], 0, rows)
+            for past, present in self.shifted:
+                read, written = (
+                    (self.spare[past], self.buffers[past]) if ahead else (self.buffers[past], self.spare[past])
+                )
+                self._bind(target.bind_input, past, past, read, 0, rows)
+                self._bind(target.bind_output, present, past, written, 0, rows)
 
-    def stepped(self) -> None:
+    def advance(self, outputs: None = None) -> None:
         """After a decode step: the spares hold the shift states now."""
         for past, _ in self.shifted:
             self.buffers[past], self.spare[past] = self.spare[past], self.buffers[past]

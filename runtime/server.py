@@ -115,17 +115,38 @@ def create_app(
     app = FastAPI(title="kvg-serve", lifespan=lifespan)
     app.state.kvg = state
     limit = body_limit(engine.cache.length, engine.cache.rows) if max_body_bytes is None else max_body_bytes
-    metrics = state.metrics
-    refused = metrics.requests.labels  # a refusal before the body is read counts as any request's error does
-    app.add_middleware(HttpGuard, api_key=api_key, max_body_bytes=limit,
+    _guard(app, state, api_key, limit)
+    _measure(state)
+    _answer_errors(app, state)
+    _add_status_routes(app, state)
+    _add_generation_routes(app, state)
+    return app
+
+
+def _guard(app: FastAPI, state: ServerState, api_key: str | None, max_body_bytes: int) -> None:
+    """The middleware that refuses a request before any route reads it: a draining server, a missing or wrong key,
+    a body over the cap."""
+    refused = state.metrics.requests.labels  # a refusal before the body is read counts as any request's error does
+    app.add_middleware(HttpGuard, api_key=api_key, max_body_bytes=max_body_bytes,
                        refused=lambda status: refused(outcome=f"http_{status}").inc())  # fmt: skip
     app.add_middleware(DrainGuard, drain=state.drain)  # the outermost: a draining server refuses before all else
+
+
+def _measure(state: ServerState) -> None:
+    """The drain's counts, and the gauges that read the engine when Prometheus scrapes them (never stale)."""
+    engine, metrics = state.engine, state.metrics
     state.drain.on_drained, state.drain.on_cut = metrics.drained.inc, metrics.cut.inc
     metrics.queue_depth.set_function(lambda: engine.queue_depth)
     metrics.batch_occupancy.set_function(lambda: engine.busy_rows / engine.cache.rows)
     if engine.prefixes is not None:
         metrics.prefix_hit_rate.set_function(lambda: engine.prefixes.hit_rate)
         metrics.prefix_bytes.set_function(lambda: engine.prefixes.held_bytes)
+
+
+def _answer_errors(app: FastAPI, state: ServerState) -> None:
+    """Every error answered with an OpenAI-style body, as clients of OpenAI's API parse it; a refused request (an
+    ApiError or a body that does not validate) counted by its status."""
+    metrics = state.metrics
 
     @app.exception_handler(ApiError)
     async def api_error(_request: Request, error: ApiError) -> JSONResponse:
@@ -147,6 +168,11 @@ def create_app(
     async def http_error(_request: Request, error: HTTPException) -> JSONResponse:
         return JSONResponse(error_body(str(error.detail), "invalid_request_error"), error.status_code)
 
+
+def _add_status_routes(app: FastAPI, state: ServerState) -> None:
+    """The routes that report on the server rather than generate: its health, the model it serves, its metrics."""
+    engine, model_name, metrics = state.engine, state.model_name, state.metrics
+
     @app.get("/health")
     async def health() -> JSONResponse:
         if state.drain.draining:  # a load balancer sends no more
@@ -165,10 +191,15 @@ def create_app(
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+
+def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
+    """The completion and chat completion routes. Parsing and tokenizing take a thread of their own, so that a
+    large body never stalls the event loop; runtime/answers.py answers both."""
+    engine, model_name = state.engine, state.model_name
+
     @app.post("/v1/completions")
     async def completions(http: Request) -> Response:
         arrived = time.perf_counter()
-        # Parsing and tokenizing take a thread of their own, so that a large body never stalls the event loop
         request = await run_in_threadpool(parse, CompletionRequest, await http.body())
         check_model(request, model_name)
         config = _config(request)
@@ -185,8 +216,6 @@ def create_app(
         prompt = await run_in_threadpool(chat_prompt, request, state)
         config = chat_config(request, prompt, engine.cache.length, state.chat_template.stop_tokens)
         return await answer(http, state, request, CHAT, arrived, [prompt], [""], config, alternatives)
-
-    return app
 
 
 @dataclass(frozen=True)

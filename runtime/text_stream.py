@@ -26,12 +26,13 @@ class TextStream:
         self.pending = ""  # final text not handed out yet: it may begin a stop string
         self.stopped = False  # a stop string was met: the text ends before it, and nothing more is added
 
-    def push(self, token: int) -> str:
-        """The text that `token` makes final."""
+    def push(self, token: int, last: bool = False) -> str:
+        """The text that `token` makes final; `last`: no token follows it, so all that is held back too."""
         if self.stopped:
             return ""
         self.tokens.append(token)
-        return self._advance(last=False)
+        text = self._advance(last=False)
+        return text + self.flush() if last else text
 
     def flush(self) -> str:
         """What is still held back, once no token follows: a character left incomplete is decoded as the

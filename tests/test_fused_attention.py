@@ -11,7 +11,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from exporters.native_library import NativeUnavailable, build
-from runtime.custom_ops import DOMAIN, OP_NAME, OP_VERSION
+from runtime.contract import OP_DOMAIN, OP_NAME, OP_VERSION
 
 NAMES = ["query", "key", "value", "gate_logits", "gate_bias", "past_key", "past_value", "past_gate", "attention_mask",
          "cache_position", "window_starts"]  # fmt: skip
@@ -40,12 +40,12 @@ def _session(
              "cache_position": (TensorProto.INT64, 1), "window_starts": (TensorProto.INT64, 1)}  # fmt: skip
     inputs = [helper.make_tensor_value_info(n, types[n][0], [None] * types[n][1]) for n in names if n]
     node = helper.make_node(
-        OP_NAME, names, outputs, domain=DOMAIN, num_heads=heads, kv_num_heads=kv_heads, **attributes
+        OP_NAME, names, outputs, domain=OP_DOMAIN, num_heads=heads, kv_num_heads=kv_heads, **attributes
     )  # fmt: skip
     outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in outputs]
     model = helper.make_model(
         helper.make_graph([node], "fused", inputs, outputs),
-        opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid(DOMAIN, OP_VERSION)], ir_version=10,
+        opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid(OP_DOMAIN, OP_VERSION)], ir_version=10,
     )  # fmt: skip
     options = ort.SessionOptions()
     options.intra_op_num_threads = 2

@@ -8,12 +8,11 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from exporters.contract import DEFAULT_OPSET, cache_layout
 from exporters.native_library import available, build
 from exporters.onnx_export import export_program, lower_to_onnx
 from exporters.passes import PASSES, Choices
 from kvg_export import FoxConfig, FoxForCausalLM
-from runtime.custom_ops import OP_NAME
+from runtime.contract import DEFAULT_OPSET, OP_NAME, cache_layout
 
 pytestmark = pytest.mark.skipif(not available(), reason="the fused attention library cannot be built here")
 PRO = dict(use_k_shift=True, use_v_shift=True, qk_norm=True, use_output_gate=True, use_output_norm=True)

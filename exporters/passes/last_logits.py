@@ -13,13 +13,13 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from exporters.contract import KEPT_AXIS
-from exporters.contract import LOGITS_TO_KEEP as NAME
+from runtime.contract import KEPT_AXIS, LOGITS
+from runtime.contract import LOGITS_TO_KEEP as NAME
 
 
 def keep_last_logits(graph: ir.Graph) -> int:
     """Add the input and slice the lm_head's activations by it, in place (1: the one lm_head)."""
-    logits = next(value for value in graph.outputs if value.name == "logits")
+    logits = next(value for value in graph.outputs if value.name == LOGITS)
     head = logits.producer()
     while head.op_type != "MatMul":  # a Cast to float32 may follow the lm_head
         head = head.inputs[0].producer()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from runtime.custom_ops import DOMAIN, OP_NAME
+from runtime.contract import OP_DOMAIN, OP_NAME
 
 PACKED_INPUTS = (0, 1, 2, 3, 11, 13, 18)  # the op's inputs packed_offsets places, in its order
 GATE_LOGITS, GATE_BIAS = 3, 4
@@ -64,7 +64,7 @@ def pack_attention_inputs(graph: ir.Graph) -> int:
     column offset, in place of the parts; returns how many nodes now read a joined projection whole."""
     packed_nodes = 0
     for node in list(graph):
-        if node.op_type != OP_NAME or node.domain != DOMAIN or node.inputs[0] is None:
+        if node.op_type != OP_NAME or node.domain != OP_DOMAIN or node.inputs[0] is None:
             continue
         split = node.inputs[0].producer()
         if split is None or split.op_type != "Split" or split.domain not in ("", "ai.onnx"):

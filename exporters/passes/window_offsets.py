@@ -26,8 +26,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from runtime.artifact import ROW_HEADS_AXIS, ROWS_AXIS
-from runtime.pruning import WINDOW_OFFSETS as NAME
+from runtime.contract import PRESENT_PREFIX, ROW_HEADS_AXIS, ROWS_AXIS, TOTAL_AXIS, past_of
+from runtime.contract import WINDOW_OFFSETS as NAME
 
 KEYS = (".key", ".value")  # the cache tensors whose heads fold into rows
 
@@ -44,9 +44,9 @@ def name_present_axes(graph: ir.Graph) -> int:
     """Declare each present key and value `[ROWS, ROW_HEADS, length, head_dim]` (its past's length and head_dim);
     returns how many."""
     pasts = {value.name: value for value in graph.inputs}
-    named = [value for value in graph.outputs if value.name.startswith("present.") and value.name.endswith(KEYS)]
+    named = [value for value in graph.outputs if value.name.startswith(PRESENT_PREFIX) and value.name.endswith(KEYS)]
     for value in named:
-        past = pasts[value.name.replace("present.", "past_key_values.", 1)]
-        length = "total" if isinstance(past.shape[2], ir.SymbolicDim) else past.shape[2]
+        past = pasts[past_of(value.name)]
+        length = TOTAL_AXIS if isinstance(past.shape[2], ir.SymbolicDim) else past.shape[2]
         value.shape = ir.Shape([ROWS_AXIS, ROW_HEADS_AXIS, length, past.shape[3]])
     return len(named)

@@ -1,0 +1,91 @@
+"""The ONNX contract between the exporter and the runtime, in one place (DESIGN.md, "The ONNX contract").
+
+Both sides import it, so it imports neither torch nor onnxruntime: the graph's input and output names, the
+names of their axes, the cache tensors' names and layout, the manifest's file and format, the fused operator's
+identity, and which caches the runtime holds in place (the only ones forget-gate pruning can shrink). Cache
+tensors are named from templates (`past_key_values.{i}.key`, `present.{i}.key`), which the manifest also
+records, so the runtime reads every name from the artifact rather than spelling it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Graph inputs and outputs besides the cache
+INPUT_IDS = "input_ids"
+ATTENTION_MASK = "attention_mask"
+CACHE_POSITION = "cache_position"  # static graphs only: the slots a run writes
+LOGITS = "logits"
+LOGITS_TO_KEEP = "logits_to_keep"  # optional: the last positions whose logits a run returns (passes/last_logits.py)
+WINDOW_OFFSETS = "window_offsets"  # optional: each kv head's window start (passes/window_offsets.py)
+
+PAST_PREFIX, PRESENT_PREFIX = "past_key_values.", "present."
+PAST_TEMPLATE = PAST_PREFIX + "{layer}.{field}"
+PRESENT_TEMPLATE = PRESENT_PREFIX + "{layer}.{field}"
+CACHE_FIELDS = ("key", "value", "gate", "key_shift", "value_shift")  # in the order of kvg_export's TENSOR_FIELDS
+
+# Axis names the manifest gives sizes that vary
+BATCH_AXIS, SEQ_AXIS = "batch", "seq"
+PAST_AXIS, TOTAL_AXIS = "past", "total"  # a dynamic cache's length before a run, and after it
+WINDOW_AXIS = "window"  # a static graph's attention mask: the slots a run attends
+KEPT_AXIS = "kept"  # the logits' sequence axis: seq, or logits_to_keep when that is above 0
+# A present key's or value's first two axes where a run folds its heads into rows (see `Artifact.folds`)
+ROWS_AXIS, ROW_HEADS_AXIS = "rows", "row_heads"
+
+MANIFEST_NAME = "kvg_config.json"
+FORMAT_VERSION = 2  # 2: a static graph's attention_mask is the attention window, not the buffer
+DEFAULT_OPSET = 20
+DYNAMIC_MAX_POSITIONS = 1 << 16  # the most positions a dynamic graph is traced for
+
+# The fused FoX attention operator (exporters/native/): its node's domain, type and version
+OP_DOMAIN, OP_NAME, OP_VERSION = "kvg.fox", "FoxAttention", 2
+
+
+def past_of(present: str) -> str:
+    """The past input that a present output continues."""
+    return PAST_PREFIX + present.removeprefix(PRESENT_PREFIX)
+
+
+def held_in_place(static: bool, attention: str) -> bool:
+    """Whether the runtime holds a cache's keys, values and gates in place, one buffer bound as past and present:
+    a static cache's always, a dynamic one's where the fused operator or GroupQueryAttention appends to it. Only
+    such a cache can move its slots, so only it can be pruned."""
+    return static or attention in ("fused", "gqa")
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """What one model's cache holds: its layer count and which of CACHE_FIELDS each layer carries."""
+
+    num_layers: int
+    fields: tuple[str, ...]
+    static: bool
+
+    def past_names(self) -> list[str]:
+        return [PAST_TEMPLATE.format(layer=i, field=f) for i in range(self.num_layers) for f in self.fields]
+
+    def present_names(self) -> list[str]:
+        return [PRESENT_TEMPLATE.format(layer=i, field=f) for i in range(self.num_layers) for f in self.fields]
+
+    def input_names(self) -> list[str]:
+        head = [INPUT_IDS, ATTENTION_MASK] + ([CACHE_POSITION] if self.static else [])
+        return head + self.past_names()
+
+    def output_names(self) -> list[str]:
+        return [LOGITS, *self.present_names()]
+
+
+def cache_shape(config, field: str, batch: int, length: int) -> tuple[int, ...]:
+    """key/value `[batch, kv_heads, length, head_dim]`, gate `[batch, heads, length]`,
+    shifts `[batch, kv_heads * head_dim]`."""
+    if field == "gate":
+        return (batch, config.num_heads, length)
+    if field in ("key", "value"):
+        return (batch, config.kv_heads, length, config.head_dim)
+    return (batch, config.kv_heads * config.head_dim)
+
+
+def cache_layout(config, static: bool) -> CacheLayout:
+    """The layout of a FoX config: key, value and gate always; the shift states its options ask for."""
+    shifts = [f for f, on in (("key_shift", config.use_k_shift), ("value_shift", config.use_v_shift)) if on]
+    return CacheLayout(config.num_hidden_layers, ("key", "value", "gate", *shifts), static)

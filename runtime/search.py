@@ -1,0 +1,73 @@
+"""A request's search: how each next token is chosen and when a row ends (onnxruntime-genai's Search is the model).
+
+The Generator runs one Search over its batch and the engine one per request, so sampling, the repetition
+penalty's context, the stop tokens banned before min_new_tokens and the end test are written once. Rows advance
+together: every running row takes one token a step, and a row that has ended is given padding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from runtime.sampling import Sampler, SamplingConfig
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 64
+    min_new_tokens: int = 0
+    stop_tokens: tuple[int, ...] = ()  # besides the model's eos ids
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    prefill_chunk: int = 256  # prompts are prefilled in chunks of at most this many tokens (see generator.chunk_size)
+
+
+class Search:
+    def __init__(self, config: GenerationConfig, prompts: list[list[int]], eos: Iterable[int], pad: int):
+        self.config, self.pad = config, pad
+        self.sampler = Sampler(config.sampling)
+        self.stop_ids = frozenset(eos) | frozenset(config.stop_tokens)
+        self._stops = np.array(sorted(self.stop_ids), dtype=np.int64)
+        penalised = config.sampling.repetition_penalty != 1.0
+        self.context = [np.array(p, dtype=np.int64) for p in prompts] if penalised else None  # the penalty's
+        self.tokens: list[list[int]] = [[] for _ in prompts]
+        self.reasons: list[str | None] = [None] * len(prompts)  # "stop" or "length" once a row has ended
+        self.ended = np.zeros(len(prompts), dtype=bool)
+        self.steps = 0  # tokens chosen so far, per running row
+
+    @property
+    def banned(self) -> np.ndarray | None:
+        """The ids this step may not choose: the stop tokens while fewer than min_new_tokens are out."""
+        return self._stops if self.steps < self.config.min_new_tokens and self._stops.size else None
+
+    @property
+    def done(self) -> bool:
+        return bool(self.ended.all())
+
+    def choose(self, logits: np.ndarray) -> np.ndarray:
+        """Each row's next token `[rows]` from its logits `[rows, vocab]`; padding for a row that has ended."""
+        chosen = self.sampler.choose(logits, self.context, self.banned)
+        return np.where(self.ended, self.pad, chosen) if self.ended.any() else chosen
+
+    def record(self, chosen: np.ndarray) -> list[tuple[int, int, bool]]:
+        """Take each running row's `chosen` token; returns (row, token, last) for each, `last` when the row ends
+        with it (a stop token once min_new_tokens are out, or max_new_tokens)."""
+        self.steps += 1
+        taken = []
+        for row, token in enumerate(chosen.tolist()):
+            if self.ended[row]:
+                continue
+            self.tokens[row].append(token)
+            if self.context is not None:
+                self.context[row] = np.append(self.context[row], token)
+            if token in self.stop_ids and self.steps >= self.config.min_new_tokens:
+                self.end(row, "stop")
+            elif self.steps == self.config.max_new_tokens:
+                self.end(row, "length")
+            taken.append((row, token, bool(self.ended[row])))
+        return taken
+
+    def end(self, row: int, reason: str) -> None:
+        self.ended[row], self.reasons[row] = True, reason
