@@ -52,7 +52,9 @@ class RowCache:
     def bind_step(self, binding: ort.IOBinding, following: ort.IOBinding, rows: int, fresh: bool) -> None:
         """Before a decode step over rows [0, rows) on `binding`, the next one to run on `following`: both are bound
         when `fresh` (the row count changed) and then kept, keys, values and gates in place, and the shift states
-        read from one buffer and written to the other, the two bindings reading them from opposite ones."""
+        read from one buffer and written to the other, the two bindings reading them from opposite ones. A row
+        that leaves the steps is free: its shift state is not kept (a request that joins brings its own, see
+        `bind_row`)."""
         if not fresh:
             return
         for target, ahead in ((binding, False), (following, True)):
