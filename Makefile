@@ -36,7 +36,7 @@ TRAIN_FLAGS ?=
 ARTIFACT ?=
 EVAL_FLAGS ?=
 # gpu-check runs on a GPU machine with its own Python (GPU_PYTHON, holding CUDA torch; no venv is built), after
-# `make gpu-bundle` here has put onnxruntime-gpu and the pinned transformers in .whl (README: "The CUDA check").
+# `make gpu-bundle` here has put onnxruntime-gpu and the pinned transformers in .whl (docs/cuda.md: "The CUDA check").
 GPU_PYTHON ?= python3
 GPU_CHECK_FLAGS ?=
 

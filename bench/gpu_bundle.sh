@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `make gpu-bundle`, on a machine with pip access: what `make gpu-check` needs on a GPU machine whose image has
-# CUDA torch but only the CPU onnxruntime and newer transformers (see README, "The CUDA check"). Writes
+# CUDA torch but only the CPU onnxruntime and newer transformers (see docs/cuda.md, "The CUDA check"). Writes
 # .whl/kvg-gpu.tar.xz.part-* (58 MB each, to carry one per call): onnxruntime-gpu without its tools and
 # transformers folders, and the wheels of the transformers, huggingface-hub, tokenizers and onnx-ir this
 # project pins (the image's are other versions).

@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     device = "cuda" if args.provider == "cuda" else "cpu"
     usable = torch.cuda.is_available() and "CUDAExecutionProvider" in ort.get_available_providers()
     if device == "cuda" and not usable:
-        print("gpu-check: needs CUDA torch and onnxruntime-gpu with a GPU (see README: GPU check)", file=sys.stderr)
+        print("gpu-check: needs CUDA torch and onnxruntime-gpu with a GPU (see docs/cuda.md)", file=sys.stderr)
         return 2
     report = {
         "preset": args.preset, "provider": args.provider, "machine": machine(),

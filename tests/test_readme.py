@@ -1,7 +1,8 @@
-"""The README held to what it shows, so that the front door cannot drift: every command block runs as a user runs
-it (in a workspace of its own: make's artifacts there, placeholders replaced by what the tests built), and the
-set-up commands' output has the shape the README shows; every Python block runs there; every make target and
-every command-line flag the README names exists."""
+"""The README and the pages under docs/ held to what they show, so that the front door cannot drift: every command
+block runs as a user runs it (in a workspace of its own: make's artifacts there, placeholders replaced by what the
+tests built), and the set-up commands' output has the shape the README shows; every Python block runs there; every
+make target and every command-line flag they name exists. The README stays a first screen (short, nothing dated),
+and every relative link of the documentation resolves inside the repository, anchors included."""
 
 import os
 import re
@@ -18,7 +19,15 @@ from test_released_checkpoint import write_released
 from test_serve import free_socket
 
 REPO = Path(__file__).resolve().parent.parent
-README = (REPO / "README.md").read_text()
+README_PAGE = REPO / "README.md"
+README = README_PAGE.read_text()
+DOCS = sorted((REPO / "docs").glob("*.md"))  # the topics the README's map links to
+SHOWN = [README_PAGE, *DOCS]  # pages whose blocks run and whose commands are checked, the README first
+SHOWN_TEXT = "\n".join(page.read_text() for page in SHOWN)
+# pages whose links are checked (besides every tracked .md): a new page is checked before it is committed
+LINKED = [*SHOWN, REPO / "CHANGELOG.md", REPO / "bench" / "README.md"]
+README_LINES = 150  # the README is a first screen; the long sections live in docs/
+DATED = re.compile(r"20\d\d-\d\d-\d\d|\bissues? #?\d+", re.IGNORECASE)  # history, which CHANGELOG.md holds
 BIN = Path(sys.executable).parent
 SHOWN_PORT = "127.0.0.1:8000"  # where the README's clients find a server
 RELEASED_FOLDER = "/path/to/fox-pro-760m-longcrawl64-48b"  # the README's placeholder for a released folder
@@ -32,18 +41,23 @@ NUMBER = r"[-+]?(?:\d[\d,]*)?\.?\d+(?:e[-+]?\d+)?"
 PROGRESS_LINE = re.compile(r"^\S+ +\.\.\. \d+ s: ")  # a long stage's progress (exporters/progress.py), timing's
 
 
-def blocks(language: str) -> list[str]:
-    """The README's fenced blocks of `language` ("" for plain ones), in order."""
+def fenced(text: str) -> list[tuple[str, str]]:
+    """A page's fenced blocks as (language, body), in order; "" is a plain block's language."""
     found, opened, lines = [], None, []
-    for line in README.splitlines(keepends=True):
+    for line in text.splitlines(keepends=True):
         if not line.startswith("```"):
             lines.append(line)
         elif opened is None:
             opened, lines = line[3:].strip(), []
         else:
-            found += ["".join(lines)] if opened == language else []
+            found.append((opened, "".join(lines)))
             opened = None
     return found
+
+
+def blocks(language: str, pages: list[Path] = SHOWN) -> list[str]:
+    """The fenced blocks of `language` ("" for plain ones) on `pages`, page by page (the README first), in order."""
+    return [body for page in pages for opened, body in fenced(page.read_text()) if opened == language]
 
 
 def commands(block: str) -> list[str]:
@@ -71,7 +85,8 @@ def shape(shown: str) -> re.Pattern:
 
 
 def shown_output(first_word: str) -> re.Pattern:
-    return shape(next(block for block in blocks("") if block.startswith(first_word)))
+    """The README's own output block that starts with `first_word` (a page under docs/ may show others)."""
+    return shape(next(block for block in blocks("", [README_PAGE]) if block.startswith(first_word)))
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +151,7 @@ def run_python(block: str, workspace: Path, url: str | None = None) -> None:
 
 
 def test_the_set_up_commands_run_and_print_what_the_readme_shows(workspace):
+    assert blocks("sh")[0] == blocks("sh", [README_PAGE])[0]  # the next test runs every command block but this one
     setup = commands(blocks("sh")[0])
     assert setup == ["make export MODEL=fox-py", "make generate MODEL=fox-py", "make test"]
     exported = run(shell(setup[0], workspace), workspace)
@@ -146,10 +162,10 @@ def test_the_set_up_commands_run_and_print_what_the_readme_shows(workspace):
 
 
 def test_every_other_command_block_runs_and_its_clients_talk_to_its_servers(workspace):
-    """Each block's commands in order; a server is started, answers a text prompt, the README's Python clients of
-    the model it serves run against it, and it is stopped."""
+    """Each block's commands in order, the README's and docs/'s; a server is started, answers a text prompt, the
+    pages' Python clients of the model it serves run against it, and it is stopped."""
     clients = [block for block in blocks("python") if SHOWN_PORT in block]
-    assert clients, "the README shows a client of kvg-serve"
+    assert clients, "the documentation shows a client of kvg-serve"
     served = []
     for block in blocks("sh")[1:]:
         for command in commands(block):
@@ -184,13 +200,13 @@ def test_every_python_block_runs(workspace):
 
 def test_every_make_target_the_readme_names_exists():
     targets = set(re.findall(r"^([a-z][a-z0-9-]*):", (REPO / "Makefile").read_text(), flags=re.M))
-    named = set(re.findall(r"`make ([a-z][a-z0-9-]*)", README))
+    named = set(re.findall(r"`make ([a-z][a-z0-9-]*)", SHOWN_TEXT))
     assert named and named <= targets, named - targets
 
 
 @pytest.mark.parametrize("command", ["kvg-export", "kvg-generate", "kvg-serve", "kvg-eval", "kvg-lm-eval"])
 def test_every_flag_the_readme_names_for_a_command_is_one_it_takes(command):
-    spans = re.findall(rf"`{command} ([^`]*)`", README) + [
+    spans = re.findall(rf"`{command} ([^`]*)`", SHOWN_TEXT) + [
         line for block in blocks("sh") for line in commands(block) if line.startswith(command)
     ]
     named = {flag for span in spans for flag in re.findall(r"(?<![\w-])--[a-z][a-z-]*", span)}
@@ -206,16 +222,79 @@ def test_a_block_is_what_the_commands_parse(workspace):
     assert shape("load   0.0 s  x ...\n...\nend").fullmatch("load 12.5 s  x and y\na\nb\nend\n")
 
 
+def anchors(text: str) -> set[str]:
+    """The anchors GitHub gives a page's headings: lowercased, punctuation dropped, spaces as hyphens, a repeat
+    numbered."""
+    found, seen = set(), {}
+    for line in re.sub(r"^```.*?^```", "", text, flags=re.M | re.S).splitlines():  # a `#` in a block is no heading
+        heading = re.match(r"#{1,6} +(.+?)[ #]*$", line)
+        if heading:
+            slug = re.sub(r"[^\w\- ]", "", heading.group(1).lower()).replace(" ", "-")
+            found.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+            seen[slug] = seen.get(slug, 0) + 1
+    return found
+
+
+def link_target(page: Path, link: str) -> Path:
+    """Where a relative link leads: from the page's folder, or from the repository's root when it starts with `/`
+    (as GitHub reads it), so that a page under docs/ reaches bench/README.md without `../`."""
+    path = link.partition("#")[0]
+    return (REPO / path.lstrip("/") if path.startswith("/") else page.parent / path).resolve()
+
+
+def documentation_pages() -> list[Path]:
+    tracked = subprocess.run(["git", "ls-files", "*.md"], cwd=REPO, capture_output=True, text=True, check=True)
+    return sorted({*(REPO / name for name in tracked.stdout.split()), *(page for page in LINKED if page.exists())})
+
+
 def test_every_relative_link_in_the_documentation_resolves_inside_the_repository():
     """A clean clone is all a reader has: a link (or a path written as a sibling's, `../...`) that leaves the
-    repository, or names a file it lacks, is a dead end."""
-    pages = subprocess.run(["git", "ls-files", "*.md"], cwd=REPO, capture_output=True, text=True, check=True)
-    for name in pages.stdout.split():
-        page = REPO / name
-        text = page.read_text()
+    repository, names a file it lacks, or a heading the page lacks, is a dead end."""
+    pages = documentation_pages()
+    assert set(LINKED) <= set(pages), sorted(map(str, set(LINKED) - set(pages)))
+    checked = 0
+    for page in pages:
+        name, text = page.relative_to(REPO), page.read_text()
         assert not re.findall(r"\.\./[\w.-]+", text), f"{name} points outside the repository"
         for link in re.findall(r"\]\(([^)\s]+)\)", text):
-            if re.match(r"[a-z]+:|#", link):  # a web address or an anchor on the page
+            if re.match(r"[a-z]+:", link):  # a web address
                 continue
-            target = (page.parent / link.partition("#")[0]).resolve()
+            target = page if link.startswith("#") else link_target(page, link)
             assert target.is_relative_to(REPO) and target.exists(), f"{name} links to {link}, which is not there"
+            anchor = link.partition("#")[2]
+            if anchor and target.suffix == ".md":
+                assert anchor in anchors(target.read_text()), f"{name} links to {link}: no such heading"
+            checked += 1
+    assert checked, "the documentation links nowhere"
+
+
+def test_a_link_check_tells_good_links_from_dead_ones():
+    """The checker itself: a root link and a page's own anchors resolve, headings get GitHub's anchors."""
+    assert link_target(REPO / "docs" / "x.md", "/bench/README.md#summary") == REPO / "bench" / "README.md"
+    assert link_target(REPO / "README.md", "docs/pruning.md") == REPO / "docs" / "pruning.md"
+    assert not link_target(REPO / "docs" / "x.md", "README.md").exists()  # a sibling, not the root's
+    found = anchors("# The API: `make x`\n## The API: `make x`\n```sh\n# a comment\n```\n### Long, long context\n")
+    assert found == {"the-api-make-x", "the-api-make-x-1", "long-long-context"}
+
+
+def test_the_readme_is_a_first_screen_with_nothing_dated():
+    """What the project is, the two commands and the map: the long sections are in docs/ and the dated history in
+    CHANGELOG.md, so the README and the docs state what is true now."""
+    lines = README.splitlines()
+    assert len(lines) < README_LINES, f"README.md has {len(lines)} lines; move sections into docs/"
+    for page in SHOWN:
+        dated = [(number, line) for number, line in enumerate(page.read_text().splitlines(), 1) if DATED.search(line)]
+        assert not dated, f"{page.relative_to(REPO)} is dated (CHANGELOG.md holds history): {dated}"
+    assert DATED.search("measured on 2026-12-05") and DATED.search("issue 31 measured")  # the pattern bites
+    assert DATED.search((REPO / "CHANGELOG.md").read_text()), "CHANGELOG.md holds the dated history"
+
+
+def test_the_readme_map_links_every_docs_page_and_every_block_is_one_the_tests_run():
+    """No page under docs/ is out of the map's reach, and no fenced block escapes running: a command block is `sh`,
+    code is `python`, and a plain block is output the reader compares with."""
+    assert DOCS, "docs/ holds the README's long sections"
+    linked = {link_target(README_PAGE, link) for link in re.findall(r"\]\(([^)\s#]+)[^)\s]*\)", README)}
+    assert set(DOCS) <= linked, sorted(page.name for page in set(DOCS) - linked)
+    for page in SHOWN:
+        languages = {language for language, _ in fenced(page.read_text())}
+        assert languages <= {"sh", "python", ""}, f"{page.relative_to(REPO)}: blocks in {languages} would not run"
