@@ -25,7 +25,7 @@ def without_forget_gates(folder: Path, out: Path) -> int:
     """Write the timing-only copy of the artifact in `folder` to `out`; returns its node count."""
     shutil.copytree(folder, out, ignore=shutil.ignore_patterns("model.onnx*"))
     model = ir.load(folder / "model.onnx")
-    ir.external_data.load_to_model(model)  # the copy is re-read below, apart from the artifact's weights file
+    ir.external_data.load_to_model(model)  # the copy is re-read below, separately from the artifact's weights file
     graph = model.graph
     for node in graph:
         if node.op_type == "GroupQueryAttention" and len(node.inputs) > ATTENTION_BIAS:

@@ -39,7 +39,7 @@ def log_gates(model, ids: np.ndarray) -> list[np.ndarray]:
     gates: dict[int, list[torch.Tensor]] = {}
     hooks = [
         block.attn.register_forward_hook(
-            lambda module, args, out, i=i, held=gates: held.setdefault(i, []).append(module.log_forget_gate(args[0]))
+            lambda module, args, out, i=i, store=gates: store.setdefault(i, []).append(module.log_forget_gate(args[0]))
         )
         for i, block in enumerate(model.model.layers)
     ]

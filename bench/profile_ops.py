@@ -34,7 +34,7 @@ from runtime.artifact import SessionOptions
 from runtime.generator import GenerationConfig, Generator
 
 BEGIN, END = "<!-- profile:begin -->", "<!-- profile:end -->"
-TOP_OPS = 14  # op types listed apart; the rest are summed as "other"
+TOP_OPS = 14  # op types listed one by one; the rest are summed as "other"
 
 
 def decode_profile(trace: list[dict], runs_per_generation: int) -> dict:

@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--min-agreement", type=float, default=Thresholds.min_top1_agreement,
                         help="smallest top-1 agreement accepted (default %(default)s)")  # fmt: skip
     defaults = ",".join(f"{first}-{last}" for first, last in default_bands(BAND_GROWTH**3 * DEFAULT_CONTEXT))
-    parser.add_argument("--bands", type=_bands, help="also score and judge window positions apart, e.g. "
+    parser.add_argument("--bands", type=_bands, help="also score and judge window positions separately, e.g. "
                         "0-255,1024-2047 (first-last, inclusive). Default for windows over "
                         f"{DEFAULT_CONTEXT} tokens: {defaults},... (log-spaced), the last cut at the window's "
                         "end; none for shorter windows")  # fmt: skip

@@ -13,7 +13,7 @@ Both systems score the same windows with the same arithmetic (runtime.scoring), 
 position by position; bands of window positions and log-spaced position bins (the curve `--plot` draws)
 show how quality holds over the context.
 
-Eager's half (EagerRun) can be made apart from the artifact's: an export scores eager in its torch half, and
+Eager's half (EagerRun) can be made separately from the artifact's: an export scores eager in its torch half, and
 judges the artifact in its own torch-free process; torch is imported only where eager runs.
 """
 

@@ -5,7 +5,7 @@ validation passes, so a failed or interrupted export never leaves a half-written
 replaces an old artifact only with a good new one.
 
 This process never imports torch. Loading, tracing and lowering, and eager's reference outputs, run in a
-process of their own (exporters/lowering.py, through exporters/apart.py) that ends before onnxruntime checks,
+process of their own (exporters/lowering.py, through exporters/isolated.py) that ends before onnxruntime checks,
 validates, quantizes and judges the graph here: the two halves' memory never adds up.
 """
 
@@ -20,10 +20,10 @@ from pathlib import Path
 import onnx
 import onnxruntime as ort
 
-from exporters.apart import ApartError, named, run_apart
 from exporters.cache_check import CacheCheck, check_cache
 from exporters.checkpoint_tokenizer import CheckpointTokenizer, TokenizerError, read_tokenizer
 from exporters.evaluate import EagerRun, EvalError, Evaluation, Thresholds, evaluate
+from exporters.isolated import IsolatedError, named, run_isolated
 from exporters.manifest import check_graph_matches, with_results
 from exporters.native_library import NativeUnavailable, available, build
 from exporters.preflight import PreflightError, preflight
@@ -272,7 +272,7 @@ def export_artifact(options: ExportOptions, log: Callable[[str], None] = print) 
     if options.provider == "cuda" and not _cuda_usable():
         raise ExportError(_NO_CUDA)
     try:
-        checkpoint = resolve_checkpoint(options.model, build=False) or _apart_or_here(
+        checkpoint = resolve_checkpoint(options.model, build=False) or _isolated_or_here(
             options, "kvg_export.presets:resolve_checkpoint", options.model
         )  # building a preset's weights takes torch
         tokenizer = read_tokenizer(checkpoint)
@@ -295,13 +295,13 @@ def export_artifact(options: ExportOptions, log: Callable[[str], None] = print) 
 
 # transformers imports scikit-learn wherever it is installed (the lm-eval extra brings it), for assisted generation
 # alone, which an export never runs: left out, the torch half's peak is 0.1 GB lower
-ABSENT_APART = ("sklearn",)
+ABSENT_WHEN_ISOLATED = ("sklearn",)
 
 
-def _apart_or_here(options: ExportOptions, target: str, *args, **kwargs):
-    """`module:function`(*args) in a process of its own (exporters.apart) or, without options.separate_process, here."""
+def _isolated_or_here(options: ExportOptions, target: str, *args, **kwargs):
+    """`module:function`(*args) in a process of its own (exporters.isolated); without options.separate_process, here."""
     if options.separate_process:
-        return run_apart(target, *args, absent=ABSENT_APART, **kwargs)
+        return run_isolated(target, *args, absent=ABSENT_WHEN_ISOLATED, **kwargs)
     return named(target)(*args, **kwargs)
 
 
@@ -313,10 +313,10 @@ def _float_graph(
     validated here; returns its manifest (with the validation's summary), the validation and eager's scores on
     held-out text (quantized only)."""
     try:
-        lowered = _apart_or_here(
+        lowered = _isolated_or_here(
             options, "exporters.lowering:lower", options, checkpoint, tokenizer, model_path, log=log
         )
-    except ApartError as error:
+    except IsolatedError as error:
         raise ExportError(f"loading, tracing and lowering the model failed: {error}") from None
     manifest = lowered.manifest
     stage(
@@ -338,7 +338,7 @@ def _float_graph(
         log, "validate", lambda progress: validate_onnx(references, session, progress),
         lambda r: f"onnxruntime vs eager's record: prefill + {r.decode_steps} greedy steps, batch {r.batch}"
         + (" (also with longer buffers, as the runtime runs it)" if "onnx-longer" in references.starts else "")
-        + ("; then with each layer's heads apart, as pruning runs it" if references.apart else ""),
+        + ("; then with each layer's heads staggered, as pruning runs it" if references.staggered else ""),
     )  # fmt: skip
     log(report.table())
     if not report.passed:

@@ -1,7 +1,7 @@
 """An export's torch half: load the checkpoint, trace it, lower it to ONNX, and record what the graph is judged
 against (eager's validation run; for a quantized export, eager fp32's scores on held-out text).
 
-export.py runs `lower` in a process of its own (exporters.apart), so that torch, the model and what the
+export.py runs `lower` in a process of its own (exporters.isolated), so that torch, the model and what the
 lowering leaves behind are gone before onnxruntime validates and quantizes: the export's peak memory is then
 the larger of the two halves, not their sum.
 """
@@ -71,8 +71,8 @@ def lower(
         lambda r: f"eager and the ExportedProgram: prefill + {DECODE_STEPS} greedy steps, batch {batch}, "
         f"recorded for onnxruntime (ExportedProgram logits Δ {max(s.program_logits for s in r.steps):.2e})",
     )  # fmt: skip
-    keep_apart = options.quantization.keeps if options.quantization else lambda module: False
-    choices = passes.Choices(options.attention, offsets, keep_apart)
+    keep_unjoined = options.quantization.keeps if options.quantization else lambda module: False
+    choices = passes.Choices(options.attention, offsets, keep_unjoined)
     stage(
         log, "lower", lambda _: lower_to_onnx(program, example, layout, model_path, options.opset, choices),
         lambda counts: f"ONNX opset {options.opset}, {passes.summary(counts)}, weights memory-mappable in "

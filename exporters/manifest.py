@@ -98,7 +98,7 @@ def build_manifest(
             "max_batch": max_batch,
             "fields": list(layout.fields),
             "shift_width": config.kv_heads * config.head_dim if len(layout.fields) > 3 else None,
-            # with window_offsets, a prompt's chunk may run with a layer's heads' windows apart, as decode steps do
+            # with window_offsets, a prompt's chunk may run with a layer's heads' windows staggered, as decode steps do
             "heads_apart_in_chunks": window_offsets,
         },
         "model": {

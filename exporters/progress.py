@@ -71,7 +71,7 @@ class Progress:
             self._bar.update(done)
 
     def line(self) -> str:
-        """What the stage has done so far, as a log line: `name ... seconds: what`, apart from its stage line."""
+        """What the stage has done so far, as a log line: `name ... seconds: what`, besides its stage line."""
         elapsed = time.monotonic() - self.started
         if self.total is None:
             return f"{self.name:<9} ... {elapsed:.0f} s: running" + (f", {self.work}" if self.work else "")

@@ -1,5 +1,5 @@
 """What a weight-only quantization is asked to do, checked before anything is traced: the settings, their choices,
-and the roles that stay in float (exporters/quantize.py does the quantizing). Apart from it, so that the exporting
+and the roles that stay in float (exporters/quantize.py does the quantizing). Separate from it, so that the exporting
 process holds none of what quantizing imports while the torch half runs.
 """
 

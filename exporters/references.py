@@ -9,13 +9,13 @@ from torch.export import ExportedProgram
 
 from exporters.progress import Progress, untracked
 from exporters.validate import (
-    APART_CHUNK,
-    APART_SHIFT,
     DECODE_STEPS,
     PROMPT_LENGTH,
-    ApartRun,
+    STAGGER_CHUNK,
+    STAGGER_SHIFT,
     EagerStep,
     References,
+    StaggeredRun,
     difference,
     validation_prompt,
 )
@@ -46,7 +46,7 @@ def record(
     """Run the validation's prefill and DECODE_STEPS greedy steps through eager and the ExportedProgram (eager's
     tokens fed to both, each on its own cache) and keep what validate.validate_onnx compares onnxruntime with;
     `longer_buffers` (gqa dynamic graphs) also starts onnxruntime from buffers longer than the filled positions.
-    A graph that takes window_offsets is also run with each layer's heads apart (see `_apart_runs`)."""
+    A graph that takes window_offsets is also run with each layer's heads staggered (see `_staggered_runs`)."""
     config = model.config
     ids, mask = (torch.from_numpy(a) for a in validation_prompt(config.vocab_size, batch, config.pad_token_id or 0))
     eager, exported = ExportableFox(model, layout), program.module()
@@ -65,9 +65,9 @@ def record(
         tokens = run.greedy()
         full_mask = _grown(full_mask, 1)
         progress.advance()
-    if in_place and config.kv_heads > 1:  # one kv head cannot part from itself
+    if in_place and config.kv_heads > 1:  # one kv head cannot be staggered against itself
         buffers = max_cache_len if layout.static else longer  # as the runtime binds them
-        references.apart = _apart_runs(model, layout, exported, batch, buffers)
+        references.staggered = _staggered_runs(model, layout, exported, batch, buffers)
     return references
 
 
@@ -138,31 +138,33 @@ class _Run:
         return [_host(past).astype(str(past.dtype).removeprefix("torch.")) for past in self.pasts["eager"]]
 
 
-def _apart_runs(model: FoxForCausalLM, layout: CacheLayout, exported, batch: int, length: int) -> list[ApartRun]:
-    """The branches a pruned graph takes once a layer's heads have parted, each from a prompt prefilled with the heads
-    together and then cut by up to APART_SHIFT slots per head (every layer keeps one head whole, so the window does
+def _staggered_runs(
+    model: FoxForCausalLM, layout: CacheLayout, exported, batch: int, length: int
+) -> list[StaggeredRun]:
+    """The branches a pruned graph takes once a layer's heads are staggered, each from a prompt prefilled with the heads
+    together and then cut by up to STAGGER_SHIFT slots per head (every layer keeps one head whole, so the window does
     not move): decode steps of left-padded rows (the masked step), then of one row without padding (the unmasked
     step) with a prompt chunk among them (the chunk, which runs head by head on one row). Eager attends through
     the in-place op's own form (kvg_export/fox/in_place_attention.py), the one that takes the offsets."""
     config, eager = model.config, ExportableFox(model, layout, in_place_attention=True)
     ids, mask = (torch.from_numpy(a) for a in validation_prompt(config.vocab_size, 2, config.pad_token_id or 0))
     offsets = torch.tensor(
-        [[min((head + layer) % config.kv_heads, APART_SHIFT) for head in range(config.kv_heads)]
+        [[min((head + layer) % config.kv_heads, STAGGER_SHIFT) for head in range(config.kv_heads)]
          for layer in range(layout.num_layers)]
     )  # fmt: skip
-    chunk = torch.from_numpy(validation_prompt(config.vocab_size, 1, 0)[0][:, :APART_CHUNK])
+    chunk = torch.from_numpy(validation_prompt(config.vocab_size, 1, 0)[0][:, :STAGGER_CHUNK])
     together = torch.zeros_like(offsets)
     runs = []
     for rows, steps in ((slice(0, batch), ["masked"] * 3), (slice(1, 2), ["unmasked", "chunk", "unmasked"])):
         run = _Run(eager, exported, layout, _zeros(_shapes(model, layout, rows.stop - rows.start, length)))
         tokens, window = ids[rows], mask[rows]
         run.step(tokens, window, together)
-        apart = ApartRun(run.drop(offsets, window.shape[1]), [], steps)
+        staggered = StaggeredRun(run.drop(offsets, window.shape[1]), [], steps)
         for kind in steps:
             tokens = chunk if kind == "chunk" else run.greedy()
             window = _grown(window, tokens.shape[1])
-            apart.steps.append(run.step(tokens, window, offsets))
-        runs.append(apart)
+            staggered.steps.append(run.step(tokens, window, offsets))
+        runs.append(staggered)
     return runs
 
 

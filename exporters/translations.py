@@ -27,7 +27,7 @@ from onnxscript.values import Op, Opset
 import kvg_export.fox.attention  # registers kvg::decay_after
 import kvg_export.fox.fused_attention
 import kvg_export.fox.in_place_attention  # noqa: F401  (registers kvg::group_query_attention)
-from runtime.contract import OP_DOMAIN, OP_NAME, OP_VERSION
+from runtime.contract import ATTENTION_MASK, CACHE_POSITION, OP_DOMAIN, OP_NAME, OP_VERSION
 
 
 def lower_softplus(x, beta: float = 1.0, threshold: float = 20.0):
@@ -96,7 +96,7 @@ FOX_ATTENTION = Op(
     _attention_schema(
         OP_NAME, OP_DOMAIN, OP_VERSION,
         [("query", "T"), ("key", "T"), ("value", "T"), ("gate_logits", "T"), ("gate_bias", "T"), ("past_key", "T"),
-         ("past_value", "T"), ("past_gate", "T"), ("attention_mask", "P"), ("cache_position", "P"),
+         ("past_value", "T"), ("past_gate", "T"), (ATTENTION_MASK, "P"), (CACHE_POSITION, "P"),
          ("window_starts", "P"), ("key_shift_logits", "T"), ("past_key_shift", "T"), ("value_shift_logits", "T"),
          ("past_value_shift", "T"), ("query_norm", "T"), ("key_norm", "T"), ("output_norm", "T"),
          ("output_gate_logits", "T")], 10,
@@ -132,7 +132,7 @@ def lower_group_query_attention(
     """Every row's last new key goes to the last cache position (`seqlens_k`); the window is the total
     length attended, and left padding is masked in the bias, which also carries FoX's gate sums. The
     lengths come from inputs every layer shares, so onnxruntime computes them once. GroupQueryAttention's
-    default scale is FoX's. With `starts`, where the heads' rows start apart the heads are folded into rows
+    default scale is FoX's. With `starts`, where the heads' rows are staggered the heads are folded into rows
     (see `Folding`) for a decode step, and a prompt's chunk runs head by head (see `_chunk_head_by_head`)."""
     # One element, as onnxruntime accepts; with `starts`, the longest head's window (the bias's width)
     total = op.Cast(op.Shape(allowed if starts is None else bias, start=3, end=4), to=INT32.dtype)
@@ -151,7 +151,7 @@ def lower_group_query_attention(
     fold = Folding(query, allowed, starts, heads, kv_heads)
     unmasked = _unpadded_decode_step(fold, allowed)
 
-    def apart():
+    def staggered():
         lengths = op.Sub(last, starts)  # [kv_heads]: each head's slots before its last new one
 
         def one_token(masked):  # every head's row in one op
@@ -182,7 +182,7 @@ def lower_group_query_attention(
             op.CastLike(op.Where(fold.shifted(allowed), bias, op.Constant(value_float=MINIMUM)), query), fold.earliest
         )
 
-    return fold.either(fold.together, together, apart)
+    return fold.either(fold.together, together, staggered)
 
 
 def _unpadded_decode_step(fold: Folding, allowed):
@@ -197,11 +197,11 @@ def _unpadded_decode_step(fold: Folding, allowed):
 
 
 def _chunk_head_by_head(fold, query, key, value, key_cache, value_cache, bias, allowed, cache_position, lengths):
-    """A prompt's chunk where the heads' rows start apart: GroupQueryAttention takes a chunk after a prompt's first
+    """A prompt's chunk where the heads' rows are staggered: GroupQueryAttention takes a chunk after a prompt's first
     for one batch row only, so it runs one op per kv head, over that head's slots alone (`lengths`: each head's
     slots before the chunk's last token), and a ScatterND writes the chunk's keys and values into the folded
     buffers in place."""
-    held = op.Sub(op.Slice(cache_position, op.Constant(value_ints=[0]), op.Constant(value_ints=[1])), fold.starts)
+    filled = op.Sub(op.Slice(cache_position, op.Constant(value_ints=[0]), op.Constant(value_ints=[1])), fold.starts)
     queries, keys, values = fold.states(query), fold.states(key), fold.states(value)
     key_rows, value_rows = fold.cache(key_cache), fold.cache(value_cache)
     outs = []
@@ -209,13 +209,13 @@ def _chunk_head_by_head(fold, query, key, value, key_cache, value_cache, bias, a
         length = fold.head(lengths, head)
         out, _, _ = GROUP_QUERY_ATTENTION(
             fold.head(queries, head), fold.head(keys, head), fold.head(values, head),
-            fold.held(key_rows, head, held), fold.held(value_rows, head, held),
+            fold.first_slots(key_rows, head, filled), fold.first_slots(value_rows, head, filled),
             op.Cast(op.Expand(length, fold.batch), to=INT32.dtype),
             op.Cast(op.Add(length, op.Constant(value_ints=[1])), to=INT32.dtype), None, None, None,
             op.CastLike(fold.own_bias(bias, allowed, head), query), num_heads=fold.group, kv_num_heads=1,
         )  # fmt: skip
         outs.append(out)
-    return op.Concat(*outs, axis=2), fold.write(key_rows, keys, held), fold.write(value_rows, values, held)
+    return op.Concat(*outs, axis=2), fold.write(key_rows, keys, filled), fold.write(value_rows, values, filled)
 
 
 class Folding:
@@ -298,7 +298,7 @@ class Folding:
         return op.Slice(rows, op.Constant(value_ints=[head]), op.Constant(value_ints=[1 << 62]),
                         op.Constant(value_ints=[0]), op.Constant(value_ints=[self.kv_heads]))  # fmt: skip
 
-    def held(self, rows, head: int, lengths, axis: int = 2):
+    def first_slots(self, rows, head: int, lengths, axis: int = 2):
         """Kv head `head`'s rows of `rows`, their first `lengths[head]` along `axis` (`lengths`: `[kv_heads]`)."""
         end = op.Concat(op.Constant(value_ints=[1 << 62]), self.head(lengths, head), axis=0)
         return op.Slice(rows, op.Constant(value_ints=[head, 0]), end, op.Constant(value_ints=[0, axis]),
@@ -314,13 +314,13 @@ class Folding:
         own = op.Slice(bias, op.Constant(value_ints=[head * self.group, 0]), end, op.Constant(value_ints=[1, 3]))
         return op.Where(pattern, own, op.Constant(value_float=MINIMUM))
 
-    def write(self, cache, new, held):
+    def write(self, cache, new, filled):
         """The folded `cache` `[rows, 1, length, head_dim]` with each row's `new` `[rows, seq, head_dim]` written after
-        its `held` slots (`held`: per kv head): a ScatterND, which onnxruntime runs in place where the cache is bound
-        as both its input and the output."""
+        its `filled` slots (`filled`: per kv head): a ScatterND, which onnxruntime runs in place where the cache is
+        bound as both its input and the output."""
         slots = op.Unsqueeze(op.Range(op.Constant(value_int=0), op.Squeeze(op.Shape(new, start=1, end=2)),
                                       op.Constant(value_int=1)), op.Constant(value_ints=[0]))  # fmt: skip
-        slots = op.Add(op.Unsqueeze(self.per_row(held), op.Constant(value_ints=[1])), slots)  # [rows, seq]
+        slots = op.Add(op.Unsqueeze(self.per_row(filled), op.Constant(value_ints=[1])), slots)  # [rows, seq]
         rows = op.Range(op.Constant(value_int=0), op.Squeeze(self.row_count), op.Constant(value_int=1))
         rows = op.Expand(op.Unsqueeze(rows, op.Constant(value_ints=[1])), op.Shape(slots))
         first_head = op.ConstantOfShape(op.Shape(slots), value=ir.tensor(np.zeros(1, np.int64)))  # a row's only
@@ -377,7 +377,7 @@ def lower_onnx_attention(
     the buffer's first `window` slots of every row (`nonpad_kv_seqlen`), so slots after the window are
     neither copied nor attended. The op's mask must span the whole buffer: the bias is padded with float32's
     minimum. The later slots of the window are masked here (Attention's own is_causal aligns the chunk to
-    the window's start, not its end). With `starts`, the heads are folded into rows where they start apart,
+    the window's start, not its end). With `starts`, the heads are folded into rows where they are staggered,
     as for GroupQueryAttention."""
     minimum = op.Constant(value_float=MINIMUM)
     window = op.Shape(allowed if starts is None else bias, start=3, end=4)  # with `starts`, the longest head's
@@ -404,7 +404,7 @@ def lower_onnx_attention(
         return one_window(op.Where(op.And(allowed, earlier), bias, minimum))
     fold = Folding(query, allowed, starts, heads, kv_heads)
 
-    def apart():
+    def staggered():
         # [kv_heads, 1, seq, window]: no key after the query in each head's own slots
         own = op.Sub(op.Unsqueeze(cache_position, op.Constant(value_ints=[0])),
                      op.Unsqueeze(starts, op.Constant(value_ints=[-1])))  # fmt: skip
@@ -426,7 +426,7 @@ def lower_onnx_attention(
         earlier = op.LessOrEqual(slots, op.Unsqueeze(shifted, op.Constant(value_ints=[-1])))  # [seq, window]
         return one_window(op.Where(op.And(fold.shifted(allowed), earlier), bias, minimum), fold.earliest)
 
-    return fold.either(fold.together, together, apart)
+    return fold.either(fold.together, together, staggered)
 
 
 def _last_dim(value) -> int:

@@ -10,10 +10,11 @@ A gqa dynamic graph is run by onnxruntime twice per step: as the contract says (
 the filled positions) and as the runtime runs it (key, value and gate buffers longer than that, which
 present keeps), so both are checked against the same eager step.
 
-A graph that takes window_offsets (forget-gate pruning) runs a layer whose heads' windows start apart in other
-branches than one whose heads start together (exporters/translations.py); the runtime feeds them once pruning
-has dropped slots. So such a graph is also run with every layer's heads apart, through each of those branches
-(`ApartRun`), on the cache the runtime would hold, and compared with eager given the same offsets.
+A graph that takes window_offsets (forget-gate pruning) runs a layer whose heads' windows are staggered (each
+head's starting at its own offset) in other branches than one whose heads start together
+(exporters/translations.py); the runtime feeds them once pruning has dropped slots. So such a graph is also run
+with every layer's heads staggered, through each of those branches (`StaggeredRun`), on the cache the runtime
+would hold, and compared with eager given the same offsets.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from exporters.progress import Progress, untracked
 from runtime.contract import LOGITS_TO_KEEP, WINDOW_OFFSETS, CacheLayout
 
 PROMPT_LENGTH, DECODE_STEPS, PADDING = 8, 16, 3
-APART_SHIFT, APART_CHUNK = 2, 3  # the most slots a head drops before an ApartRun; the prompt chunk it feeds
+STAGGER_SHIFT, STAGGER_CHUNK = 2, 3  # the most slots a head drops before a StaggeredRun; the prompt chunk it feeds
 MIN_STATIC_LENGTH = PROMPT_LENGTH + DECODE_STEPS + 1  # the ExportedProgram takes windows shorter than the buffer
 # Largest difference from eager accepted per dtype (logits and every cache tensor), as max |Δ| over
 # max(1, max |eager|): a model's rounding error grows with its values, and with its depth and width.
@@ -45,7 +46,7 @@ MEASURE = "max |Δ| / max(1, max |eager|)"
 
 @dataclass
 class StepReport:
-    step: str  # "prefill", "decode N", or with the heads apart "masked N", "unmasked N" or "chunk N"
+    step: str  # "prefill", "decode N", or with the heads staggered "masked N", "unmasked N" or "chunk N"
     program_logits: float
     onnx_logits: float
     worst_present: str
@@ -122,8 +123,8 @@ class EagerStep:
 
 
 @dataclass
-class ApartRun:
-    """Steps with each layer's heads apart (their window_offsets in each step's `offsets`), the cache they start
+class StaggeredRun:
+    """Steps with each layer's heads staggered (their window_offsets in each step's `offsets`), the cache they start
     from (eager's, after a prefill with the heads together and each head's first `offsets` slots dropped), and
     the branch each step is meant to take ("masked", "unmasked" or "chunk")."""
 
@@ -143,24 +144,24 @@ class References:
     batch: int
     starts: dict[str, list[tuple[tuple[int, ...], str]]]
     steps: list[EagerStep] = field(default_factory=list)
-    apart: list[ApartRun] = field(default_factory=list)
+    staggered: list[StaggeredRun] = field(default_factory=list)
 
 
 def validate_onnx(references: References, session, progress: Progress | None = None) -> ValidationReport:
     """Run onnxruntime `session` through the recorded steps, each system on its own cache, and compare it with
     eager's outputs (and take the ExportedProgram's recorded differences into the report); then through each
-    ApartRun, as the runtime runs the graph. Each step is a unit of `progress`."""
+    StaggeredRun, as the runtime runs the graph. Each step is a unit of `progress`."""
     dtype, layout = references.dtype, references.layout
     report = ValidationReport(dtype, TOLERANCES[dtype], references.batch, PROMPT_LENGTH, DECODE_STEPS)
     pasts = {system: [np.zeros(shape, dtype=kind) for shape, kind in start]
              for system, start in references.starts.items()}  # fmt: skip
     labels = ["prefill", *(f"decode {index}" for index in range(1, len(references.steps)))]
     runs = [(pasts, zip(labels, references.steps, strict=True))]
-    for run in references.apart:  # as the runtime binds the buffers
+    for run in references.staggered:  # as the runtime binds the buffers
         runs.append(({"onnx": list(run.pasts)}, zip(_numbered(run.branches), run.steps, strict=True)))
     keep_last = {LOGITS_TO_KEEP: np.ones(1, dtype=np.int64)}
     progress = progress or untracked()
-    progress.plan(len(references.steps) + sum(len(run.steps) for run in references.apart), "steps validated")
+    progress.plan(len(references.steps) + sum(len(run.steps) for run in references.staggered), "steps validated")
     for pasts, steps in runs:
         for label, step in steps:
             offsets = {} if step.offsets is None else {WINDOW_OFFSETS: step.offsets}
@@ -183,7 +184,7 @@ def validate_onnx(references: References, session, progress: Progress | None = N
 
 
 def _numbered(branches: list[str]) -> list[str]:
-    """Labels for an ApartRun's steps: "masked 1", "masked 2", ..."""
+    """Labels for a StaggeredRun's steps: "masked 1", "masked 2", ..."""
     return [f"{branch} {branches[: index + 1].count(branch)}" for index, branch in enumerate(branches)]
 
 
@@ -247,7 +248,7 @@ def greedy_disagreement(got_tokens, want_tokens, got_logits, want_logits, dtype:
     """Why a greedy generation `got` (tokens per row, logits `[batch, vocab]` per step) is not eager's `want`,
     or None. Each row must pick eager's tokens with logits within the dtype's tolerance, except that in half
     precision a row may part from eager's at a step where eager's two best tokens are closer than twice the
-    tolerance (fp16 cannot tell them apart); the steps after that are not compared."""
+    tolerance (fp16 cannot tell which is larger); the steps after that are not compared."""
     tolerance = TOLERANCES[dtype]
     for row, (tokens, wanted) in enumerate(zip(got_tokens, want_tokens, strict=True)):
         parted = next((step for step, (a, b) in enumerate(zip(tokens, wanted, strict=True)) if a != b), None)

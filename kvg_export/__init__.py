@@ -1,7 +1,7 @@
 """kvg-export's PyTorch side: gated key/value/gate caches and the FoX model family.
 
 The names below load on first use, so that a torch-free module of this package (folders, corpus, presets)
-can be imported without torch: the exporter's own process stays light while its torch half runs apart.
+can be imported without torch: the exporter's own process stays light while its torch half runs in a process of its own.
 Importing the package registers FoX with transformers' Auto classes (kvg_export.fox does it) as soon as
 transformers is loaded: at once if it is already, else when it is first imported, since transformers imports
 torch.

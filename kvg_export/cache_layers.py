@@ -25,7 +25,8 @@ def is_tracing() -> bool:
 
 def gate_slots(cache_kwargs: dict, device: torch.device) -> torch.Tensor:
     """Where the new gates go, `[1, heads or 1, seq]`: cache_kwargs' `cache_position`, less each head's window
-    start where the heads' buffers start apart (`head_starts` `[heads]`, see `ForgettingAttention._attend_in_place`)."""
+    start where the heads' buffers are staggered (`head_starts` `[heads]`, see
+    `ForgettingAttention._attend_in_place`)."""
     slots = cache_kwargs["cache_position"].to(device).view(1, 1, -1)
     starts = cache_kwargs.get("head_starts")
     return slots if starts is None else slots - starts.to(device).view(1, -1, 1)
@@ -52,11 +53,11 @@ def check_states(layer: GatedLayer, key_states: torch.Tensor, value_states: torc
         raise ValueError(f"gate_states must be float32, got {gate_states.dtype}: gates and their sums stay float32")
     if layer.keys is None:
         return
-    held = (layer.keys.shape[0], layer.keys.shape[1], layer.gates.shape[1], layer.keys.shape[3])
+    cached = (layer.keys.shape[0], layer.keys.shape[1], layer.gates.shape[1], layer.keys.shape[3])
     given = (batch, kv_heads, gate_states.shape[1], key_states.shape[3])
-    if held != given:
+    if cached != given:
         raise ValueError(
-            f"this layer holds [batch, kv_heads, heads, head_dim] = {list(held)} but the update has {list(given)}; "
+            f"this layer holds [batch, kv_heads, heads, head_dim] = {list(cached)} but the update has {list(given)}; "
             "reset or rebuild the cache for a new batch or model"
         )
     if key_states.dtype != layer.keys.dtype:
@@ -66,9 +67,9 @@ def check_states(layer: GatedLayer, key_states: torch.Tensor, value_states: torc
 def check_shift(layer: GatedLayer, name: str, state: torch.Tensor):
     if state.ndim != 2:
         raise ValueError(f"{name} must be [batch, kv_heads * head_dim]; got shape {tuple(state.shape)}")
-    held = getattr(layer, name)
-    if held is not None and held.shape != state.shape:
-        raise ValueError(f"{name} {tuple(state.shape)} does not match the held state {tuple(held.shape)}")
+    cached = getattr(layer, name)
+    if cached is not None and cached.shape != state.shape:
+        raise ValueError(f"{name} {tuple(state.shape)} does not match the held state {tuple(cached.shape)}")
     if layer.keys is not None and state.shape[0] != layer.keys.shape[0]:
         raise ValueError(f"{name} has batch {state.shape[0]} but the cached keys have batch {layer.keys.shape[0]}")
 
@@ -244,8 +245,8 @@ class DynamicLayer(GatedLayer):
         positions grows by the new ones, and a longer one, which a runtime may bind as past and present,
         keeps its length."""
         self._check_and_allocate(key_states, value_states, gate_states)
-        held, window = self.gates.shape[-1], cache_kwargs["window"]
-        grown = F.pad(self.gates, (0, torch.sym_max(held, window) - held))
+        length, window = self.gates.shape[-1], cache_kwargs["window"]
+        grown = F.pad(self.gates, (0, torch.sym_max(length, window) - length))
         self.gates = grown.scatter(-1, gate_slots(cache_kwargs, grown.device).expand_as(gate_states), gate_states)
         return self.keys, self.values, self.gates
 
@@ -387,18 +388,18 @@ class StaticLayer(GatedLayer):
     def update_shift(self, key_shift=None, value_shift=None):
         previous = []
         for name, state in zip(SHIFT_FIELDS, (key_shift, value_shift), strict=True):
-            held = getattr(self, name)
+            cached = getattr(self, name)
             if state is None:
-                previous.append(held)
+                previous.append(cached)
                 continue
             if not is_tracing():
                 check_shift(self, name, state)
-            if held is None:
+            if cached is None:
                 setattr(self, name, torch.zeros_like(state))
                 self._mark_static(getattr(self, name))
                 previous.append(None)
             else:
-                previous.append(held.clone())
+                previous.append(cached.clone())
             getattr(self, name).copy_(state)
         return tuple(previous)
 

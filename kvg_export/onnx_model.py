@@ -166,14 +166,14 @@ class OnnxFoxForCausalLM(PreTrainedModel, GenerationMixin):
         (in place: the past tensor itself)."""
         batch, seq = input_ids.shape
         binding = self.artifact.session.io_binding()
-        held = [
+        bound = [
             self._bind(binding.bind_input, io.INPUT_IDS, input_ids),
             self._bind(binding.bind_input, io.ATTENTION_MASK, attention_mask),
         ]
         if self.static:
-            held.append(self._bind(binding.bind_input, io.CACHE_POSITION, cache_position))
+            bound.append(self._bind(binding.bind_input, io.CACHE_POSITION, cache_position))
         if kept:
-            held.append(self._bind(binding.bind_input, io.LOGITS_TO_KEEP, torch.tensor([kept])))
+            bound.append(self._bind(binding.bind_input, io.LOGITS_TO_KEEP, torch.tensor([kept])))
         logits = torch.empty(batch, kept or seq, self.config.vocab_size, dtype=torch.float32, device=self.device)
         self._bind(binding.bind_output, io.LOGITS, logits)
         presents = []
@@ -184,7 +184,7 @@ class OnnxFoxForCausalLM(PreTrainedModel, GenerationMixin):
                 in_place = field not in self.written_fields
                 present = past if in_place else torch.empty(self._present_shape(past, field, seq), dtype=past.dtype,
                                                             device=self.device)  # fmt: skip
-                held.append(self._bind(binding.bind_input, io.PAST_TEMPLATE.format(layer=index, field=field), past))
+                bound.append(self._bind(binding.bind_input, io.PAST_TEMPLATE.format(layer=index, field=field), past))
                 self._bind(binding.bind_output, io.PRESENT_TEMPLATE.format(layer=index, field=field), present)
                 written[field] = present
             presents.append(written)

@@ -18,8 +18,8 @@ from kvg_export.cache_layers import SHIFT_FIELDS, TENSOR_FIELDS, DynamicLayer, S
 def _flatten(cache: GatedCache) -> tuple[list[list], tuple[str, ...]]:
     if any(layer.keys is None for layer in cache.layers):
         raise ValueError("a cache with uninitialized layers cannot be flattened; update or early-initialize it")
-    held = {name for layer in cache.layers for name in SHIFT_FIELDS if getattr(layer, name) is not None}
-    fields = tuple(name for name in TENSOR_FIELDS if name in held or name not in SHIFT_FIELDS)
+    shifts = {name for layer in cache.layers for name in SHIFT_FIELDS if getattr(layer, name) is not None}
+    fields = tuple(name for name in TENSOR_FIELDS if name in shifts or name not in SHIFT_FIELDS)
     return [[getattr(layer, name) for layer in cache.layers] for name in fields], fields
 
 

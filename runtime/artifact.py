@@ -251,7 +251,7 @@ class Artifact:
         return next(e for e in self.manifest["inputs"] if e["name"] == name)
 
     def folds(self, present: str) -> bool:
-        """Whether output `present` is a key or value buffer that a run whose layer's heads start apart gives
+        """Whether output `present` is a key or value buffer that a run whose layer's heads are staggered gives
         with its heads folded into rows, `[batch * kv_heads, 1, length, head_dim]` (exporters/passes/window_offsets.py):
         the past's buffer is then bound to it in that shape."""
         entry = next(e for e in self.manifest["outputs"] if e["name"] == present)

@@ -62,20 +62,20 @@ def write_back(value: ort.OrtValue, host: np.ndarray, dtype: str, device: str) -
 def on_host(value: ort.OrtValue, dtype: str, device: str) -> Iterator[np.ndarray]:
     """The buffer's contents to change on the host, put back at the end (off the CPU, or in bf16, a copy each
     way: change all that is to change in one visit)."""
-    held = to_host(value, dtype)
-    yield held
-    write_back(value, held, dtype, device)
+    host = to_host(value, dtype)
+    yield host
+    write_back(value, host, dtype, device)
 
 
-def move_slots(held: np.ndarray, rows, begin: int, end: int, to: int, heads=slice(None), clear: bool = False) -> None:
+def move_slots(host: np.ndarray, rows, begin: int, end: int, to: int, heads=slice(None), clear: bool = False) -> None:
     """Move slots [begin, end) of `rows` (an index of the leading axis) and `heads` (of the second) of a buffer on
     the host (see `on_host`) to start at slot `to`; the slots are the third axis (keys, values `[batch, heads,
     slots, dim]`, gates `[batch, heads, slots]`). `clear`: zero the slots after the moved ones, up to `end`, that
     the move left behind."""
-    slot_bytes, moved_end = held.strides[2], to + end - begin
-    for row in np.atleast_1d(np.arange(held.shape[0])[rows]):
-        for head in np.atleast_1d(np.arange(held.shape[1])[heads]):
-            start = held[row, head].ctypes.data  # one (row, head)'s slots are contiguous: memmove them, overlap
+    slot_bytes, moved_end = host.strides[2], to + end - begin
+    for row in np.atleast_1d(np.arange(host.shape[0])[rows]):
+        for head in np.atleast_1d(np.arange(host.shape[1])[heads]):
+            start = host[row, head].ctypes.data  # one (row, head)'s slots are contiguous: memmove them, overlap
             # or not, where numpy would copy overlapping slices through a temporary (about 3x slower on a long window)
             ctypes.memmove(start + to * slot_bytes, start + begin * slot_bytes, (end - begin) * slot_bytes)
             if clear and moved_end < end:
@@ -104,8 +104,8 @@ def bind_row_state(
     forth between the two (each chunk reads one and writes the other), so that the last chunk writes the one
     decode reads."""
     past, present = names
-    held, spare, fresh = states
-    written, other = (held, spare) if (chunks - 1 - chunk) % 2 == 0 else (spare, held)
+    current, spare, fresh = states
+    written, other = (current, spare) if (chunks - 1 - chunk) % 2 == 0 else (spare, current)
     source, source_row = (fresh, 0) if chunk == 0 else (other, row)
     bind_rows(binding.bind_input, past, source, dtype, device, source_row, 1)
     bind_rows(binding.bind_output, present, written, dtype, device, row, 1)

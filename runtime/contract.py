@@ -1,4 +1,4 @@
-"""The ONNX contract between the exporter and the runtime, in one place (DESIGN.md, "The ONNX contract").
+"""The ONNX contract between the exporter and the runtime, in one place (docs/graphs.md says what each means).
 
 Both sides import it, so it imports neither torch nor onnxruntime: the graph's input and output names, the
 names of their axes, the cache tensors' names and layout, the manifest's file and format, the fused operator's

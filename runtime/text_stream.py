@@ -3,7 +3,7 @@
 Each token is decoded in a window that starts one released token back, as vLLM's incremental detokenizer does,
 so a token costs the same however long the answer has grown (decoding every token each time cost a 16k-token
 answer seconds). The window's first token is one whose text was already final, so a decoder that treats a
-text's first token apart (a leading space dropped) treats the window's two decodings alike; should the longer
+text's first token differently (a leading space dropped) treats the window's two decodings alike; should the longer
 one not begin with the shorter, the whole answer is decoded instead. Where the tokenizer's text is escaped (the
 released FoX checkpoints'), the decoded text is unescaped up to its last complete escape: never half of one.
 """
@@ -61,6 +61,6 @@ class TextStream:
         if hits:
             self.stopped, self.pending = True, ""
             return text[: min(hits)]
-        held = 0 if last else max((n for s in self.stop for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
-        self.pending = text[len(text) - held :]
-        return text[: len(text) - held]
+        tail = 0 if last else max((n for s in self.stop for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+        self.pending = text[len(text) - tail :]
+        return text[: len(text) - tail]

@@ -67,7 +67,7 @@ def exported(tmp_path_factory):
                         attention=attention,
                         separate_process=False,
                         **batch,
-                    )  # quicker; test_apart.py runs it apart
+                    )  # quicker; test_isolated.py runs it in a process of its own
                     result = export_artifact(options, log=lines.append)
                     record.write_bytes(pickle.dumps((result, lines)))
                 made[key] = pickle.loads(record.read_bytes())

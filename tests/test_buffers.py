@@ -39,9 +39,9 @@ def test_a_bf16_buffer_holds_torchs_bf16_values_and_takes_changes_made_on_the_ho
     session = cast_to_float([2, 3, 5])
     assert value.data_type() == "tensor(bfloat16)"
     np.testing.assert_array_equal(read(session, value), values.float().numpy())
-    held = buffers.to_host(value, "bfloat16")
-    held[:, :, 1:3] = held[:, :, 0:2]  # as a row move does
-    buffers.write_back(value, held, "bfloat16", "cpu")
+    host = buffers.to_host(value, "bfloat16")
+    host[:, :, 1:3] = host[:, :, 0:2]  # as a row move does
+    buffers.write_back(value, host, "bfloat16", "cpu")
     moved = values.clone()
     moved[:, :, 1:3] = values[:, :, 0:2]
     np.testing.assert_array_equal(read(session, value), moved.float().numpy())
@@ -72,8 +72,8 @@ def test_moving_slots_equals_copying_them_out_first_overlapping_or_not():
                     data = rng.integers(0, 1000, shape).astype(buffers.HOST_TYPES[dtype])
                     value = buffers.from_host(data.copy(), dtype, "cpu")
                     clear = bool(rng.integers(2))
-                    with buffers.on_host(value, dtype, "cpu") as held:
-                        buffers.move_slots(held, rows, begin, end, to, heads, clear)
+                    with buffers.on_host(value, dtype, "cpu") as host:
+                        buffers.move_slots(host, rows, begin, end, to, heads, clear)
                     expected = data.copy()
                     for row in np.atleast_1d(np.arange(shape[0])[rows]):
                         for head in np.atleast_1d(np.arange(shape[1])[heads]):

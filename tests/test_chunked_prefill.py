@@ -39,7 +39,8 @@ def assert_float32_close(got, want, err_msg: str = "") -> None:
 KINDS = [("dynamic", "gqa"), ("dynamic", "standard"), ("static", "gqa"), ("static", "standard"),
          ("static", "onnx-attention")]  # fmt: skip
 KINDS += [("dynamic", "fused"), ("static", "fused")] if CPU_FP32_ATTENTION == "fused" else []
-MODEL_KINDS = KINDS[:3] + KINDS[5:]  # what OnnxFoxForCausalLM runs apart: dynamic graphs, and in-place static ones
+# The kinds OnnxFoxForCausalLM runs each its own way: dynamic graphs, and in-place static ones
+MODEL_KINDS = KINDS[:3] + KINDS[5:]
 
 
 def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,11 +56,11 @@ def _prefilled(generator: Generator, prompts: list[list[int]], chunk: int) -> tu
     config = GenerationConfig(max_new_tokens=1, prefill_chunk=chunk)
     logits = generator.generate(prompts, config, keep_logits=True).step_logits[0]
     cache, width = generator.cache, max(map(len, prompts))
-    held = {}
+    host = {}
     for past, _ in cache.pairs:
         array = np.array(buffers.to_host(cache.past[past], generator.artifact.input_spec(past)["dtype"]))
-        held[past] = array if past.endswith("shift") else array[:, :, :width]
-    return logits, held
+        host[past] = array if past.endswith("shift") else array[:, :, :width]
+    return logits, host
 
 
 @pytest.mark.parametrize(("cache", "attention"), KINDS, ids=["-".join(kind) for kind in KINDS])

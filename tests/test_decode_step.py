@@ -30,7 +30,7 @@ def empty_pasts(artifact: Artifact, batch: int) -> dict[str, np.ndarray]:
 def reference_step(artifact: Artifact, pasts: dict, ids: np.ndarray, mask: np.ndarray, slot: int) -> np.ndarray:
     """session.run on rows [0, len(ids)) of `pasts`, its presents written back over them; the last logits."""
     rows = len(ids)
-    feeds = {io.INPUT_IDS: ids, io.ATTENTION_MASK: mask, **{name: held[:rows] for name, held in pasts.items()}}
+    feeds = {io.INPUT_IDS: ids, io.ATTENTION_MASK: mask, **{name: past[:rows] for name, past in pasts.items()}}
     if artifact.static:
         feeds[io.CACHE_POSITION] = np.array([slot], dtype=np.int64)
     logits, *presents = artifact.session.run(None, feeds)
@@ -61,8 +61,8 @@ def test_a_row_cache_step_over_rows_that_come_and_go_equals_session_run(artifact
         np.testing.assert_allclose(step(ids, clock, mask), want, atol=TOLERANCES["float32"], rtol=0)
     for row in range(max(ROWS)):  # what the steps left in each row: the slots, and a running row's shift states
         slots, states = cache.read_block(row, 0, cache.length, 0, 1)
-        for name, held in {**slots, **(states if row < ROWS[-1] else {})}.items():
-            np.testing.assert_allclose(held, pasts[name][row], atol=TOLERANCES["float32"], rtol=0, err_msg=name)
+        for name, host in {**slots, **(states if row < ROWS[-1] else {})}.items():
+            np.testing.assert_allclose(host, pasts[name][row], atol=TOLERANCES["float32"], rtol=0, err_msg=name)
 
 
 def test_a_device_cache_step_over_a_growing_batch_equals_session_run(artifacts):
@@ -77,7 +77,7 @@ def test_a_device_cache_step_over_a_growing_batch_equals_session_run(artifacts):
         want = reference_step(artifact, pasts, ids, mask[:, : filled + 1], filled)
         _, slot, window = cache.prepare(mask, filled, 1)
         np.testing.assert_allclose(step(ids, slot, window), want, atol=TOLERANCES["float32"], rtol=0)
-    for name, held in pasts.items():
+    for name, reference in pasts.items():
         kept = to_host(cache.past[name], cache.dtypes[name])
-        kept = kept[:, :, : held.shape[2]] if name in cache.in_place else kept  # the buffers' filled slots
-        np.testing.assert_allclose(kept, held, atol=TOLERANCES["float32"], rtol=0, err_msg=name)
+        kept = kept[:, :, : reference.shape[2]] if name in cache.in_place else kept  # the buffers' filled slots
+        np.testing.assert_allclose(kept, reference, atol=TOLERANCES["float32"], rtol=0, err_msg=name)

@@ -190,13 +190,13 @@ def test_a_full_queue_is_refused_and_the_queued_requests_still_run(exported):
     engine, got = Engine(generator, 1, max_queue=1), Collector(2)
     release, blocked = threading.Event(), threading.Event()
 
-    def held(event):
+    def stalled(event):
         blocked.set()
         release.wait()
         got.emit(0)(event)
 
     config = GenerationConfig(max_new_tokens=3, min_new_tokens=3)
-    engine.submit([5, 6], config, held)
+    engine.submit([5, 6], config, stalled)
     blocked.wait()
     engine.submit([7, 8], config, got.emit(1))
     with pytest.raises(QueueFull, match="1 rows are busy"):

@@ -128,8 +128,8 @@ def test_the_test_split_gives_long_windows_of_one_file_each():
 
 def test_eager_scores_with_a_cache_equal_those_without():
     """The cache path eager scoring takes (which may run a long window chunk by chunk) against one whole
-    forward: equal on a short window; on a longer one, float32 rounding apart (each is about 1e-4 nats from a
-    float64 forward at some positions there), with the same mean."""
+    forward: equal on a short window; on a longer one, as close as float32 rounding allows (each is about 1e-4
+    nats from a float64 forward at some positions there), with the same mean."""
     model = load_model("fox-py")
     tokenizer = Tokenizer.from_file(str(MODELS_DIR / "fox-py" / "tokenizer.json"))
     stream = token_stream(tokenizer, read_split("test")[:8], 2)

@@ -153,7 +153,7 @@ def test_an_older_opset_passes_the_same_validation(tmp_path):
 
 
 def test_fp16_exports_at_opset_23(tmp_path):
-    """DESIGN.md's opset-23 trap (fp16 RMSNorm fused into an invalid RMSNormalization) matched the rsqrt form;
+    """The opset-23 trap (fp16 RMSNorm fused into an invalid RMSNormalization) matched the rsqrt form;
     RMSNorm now lowers with a division, and the fp16 graph passes the checker and the validation."""
     assert main(["fox-tiny", "--dtype", "fp16", "--opset", "23", "--out", str(tmp_path / "art")]) == 0
 

@@ -71,12 +71,12 @@ def test_a_projection_that_is_a_graph_output_is_left_alone():
     assert_every_product(model, weights, rng)
 
 
-def test_a_projection_kept_apart_stays_its_own_matmul():
+def test_a_projection_kept_unjoined_stays_its_own_matmul():
     """A quantized export can keep the forget gate's projection in float, so it must not be joined then."""
     rng = np.random.default_rng(2)
     weights = {name: rng.standard_normal((8, 6)).astype(np.float32) for name in ("query", "key", "gate")}
     model = graph_with_projections(weights)
-    assert fuse_projections(model.graph, keep_apart=lambda node: node.name == "matmul_gate") == 1
+    assert fuse_projections(model.graph, keep_unjoined=lambda node: node.name == "matmul_gate") == 1
     matmuls = [n for n in model.graph if n.op_type == "MatMul"]
     assert sorted(n.name for n in matmuls) == ["matmul_gate", "matmul_query+matmul_key"]
     assert_every_product(model, weights, rng)

@@ -156,8 +156,8 @@ CASES = {
     # name: batch, seq, heads, kv_heads, dim, past, window, starts, padding
     "prompt": (2, 37, 4, 4, 16, 0, 37, [0, 0, 0, 0], [0, 5]),
     "chunk after a past, gqa": (2, 40, 6, 2, 8, 50, 90, [0, 0], [3, 0]),
-    "decode, heads apart": (3, 1, 4, 2, 16, 64, 61, [0, 7], [0, 2, 9]),
-    "chunk, heads apart": (1, 70, 2, 2, 32, 100, 100, [12, 3], [0]),
+    "decode, heads staggered": (3, 1, 4, 2, 16, 64, 61, [0, 7], [0, 2, 9]),
+    "chunk, heads staggered": (1, 70, 2, 2, 32, 100, 100, [12, 3], [0]),
     "long window split across threads": (1, 1, 2, 1, 16, 5000, 4800, [40], [0]),
     "two-token step, long window": (2, 2, 2, 2, 8, 3000, 3000, [0, 100], [10, 0]),
     "a row whose window starts late": (2, 1, 2, 2, 8, 4500, 4500, [0, 30], [4400, 0]),
@@ -259,7 +259,7 @@ def _pro_feeds(rng, batch, seq, heads, kv_heads, dim, shared: bool) -> dict:
 PRO_CASES = {
     # name: batch, seq, heads, kv_heads, dim, past, window, starts, padding, shared norms, output gate activation
     "prompt chunk, gqa, padding, per-head norms": (2, 21, 4, 2, 16, 30, 51, [0, 0], [0, 25], False, "sigmoid"),
-    "decode, heads apart, shared norms": (3, 1, 4, 2, 16, 64, 61, [0, 7], [0, 2, 9], True, "silu"),
+    "decode, heads staggered, shared norms": (3, 1, 4, 2, 16, 64, 61, [0, 7], [0, 2, 9], True, "silu"),
     "a padding query in a chunk": (1, 12, 2, 2, 8, 4, 12, [0, 0], [(6, 9)], True, "sigmoid"),
 }
 

@@ -20,14 +20,14 @@ from kvg_export.presets import resolve_checkpoint
 @pytest.fixture
 def never_loaded(monkeypatch):
     """Fail the test if the export gets as far as starting its torch half (load, trace, lower)."""
-    run_apart = export.run_apart
+    run_isolated = export.run_isolated
 
     def refuse_the_torch_half(target, *args, **kwargs):
         if target == "exporters.lowering:lower":
             raise AssertionError("the model was loaded before the export was refused")
-        return run_apart(target, *args, **kwargs)
+        return run_isolated(target, *args, **kwargs)
 
-    monkeypatch.setattr(export, "run_apart", refuse_the_torch_half)
+    monkeypatch.setattr(export, "run_isolated", refuse_the_torch_half)
 
 
 @pytest.fixture

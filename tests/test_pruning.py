@@ -80,7 +80,7 @@ def test_no_query_key_score_exceeds_the_bound(artifacts):
         bounds = score_bounds(model)
         captured = {}
         hooks = [
-            block.register_forward_hook(lambda m, args, out, i=i, held=captured: held.setdefault(i, args[0]))
+            block.register_forward_hook(lambda m, args, out, i=i, store=captured: store.setdefault(i, args[0]))
             for i, block in enumerate(model.model.layers)
         ]
         ids = torch.randint(3, model.config.vocab_size, (2, 96), generator=torch.Generator().manual_seed(1))

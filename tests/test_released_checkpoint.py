@@ -40,8 +40,8 @@ PROMPTS = [
     "  leading spaces, trailing tab\t",
     f"an {END} in the text",
 ]
-# A greedy chain of tokens that split escapes, as GPT-2's split does (punctuation and letters apart): `x`, then
-# \u015f (s with cedilla) a character a token, then `:\` `n` (a colon and a newline), `\"` and `y`
+# A greedy chain of tokens that split escapes, as GPT-2's split does (punctuation and letters in separate
+# tokens): `x`, then \u015f (s with cedilla) a character a token, then `:\` `n` (a colon and a newline), `\"` and `y`
 CHAIN = ["x", "\\", "u", "0", "1", "5", "f", ":\\", "n", '\\"', "y"]
 CONFIG = dict(
     hidden_size=64, num_hidden_layers=2, num_heads=4, intermediate_size=128, use_k_shift=True, use_v_shift=True,

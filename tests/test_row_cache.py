@@ -33,7 +33,7 @@ def junk(cache: RowCache, seed: int) -> None:
     """Every slot of every row filled with random values, as earlier requests leave them."""
     rng = np.random.default_rng(seed)
     for row in range(cache.rows):
-        shapes = {name: held.shape for name, held in cache.read_block(row, 0, cache.length, 0, 1)[0].items()}
+        shapes = {name: host.shape for name, host in cache.read_block(row, 0, cache.length, 0, 1)[0].items()}
         slots = {name: rng.normal(0, 2, shapes[name]).astype(np.float32) for name in slotted(cache)}
         cache.write_prefix(row, 0, [Block(cache.length, 0, slots, {})])
 
@@ -117,10 +117,10 @@ def test_rows_that_join_prefill_between_steps_and_move_get_the_logits_of_eager_a
     eager = DynamicCache()
     with torch.no_grad():
         model(torch.tensor([b[:3]]), past_key_values=eager)
-    for name, held in {**slots, **states}.items():
+    for name, host in {**slots, **states}.items():
         layer, field = name.split(".")[1:]
         want = getattr(eager.layers[int(layer)], EAGER_FIELDS.get(field, field))[0].numpy()
-        np.testing.assert_allclose(held, want, rtol=0, atol=TOLERANCES["float32"], err_msg=name)
+        np.testing.assert_allclose(host, want, rtol=0, atol=TOLERANCES["float32"], err_msg=name)
     assert set(states) == {name for name in artifact.past_names() if name.endswith("shift")}
 
 
@@ -170,15 +170,15 @@ def test_blocks_written_into_a_row_read_back_as_written_and_a_move_shifts_every_
         run_chunk(artifact, cache, row, PROMPTS[row], first=0, at=0, chunk=0, chunks=1)
         cache.write_prefix(row, 0, [Block(cache.length, 0, {name: rng.normal(size=before[row][0][name].shape)
                                                              .astype(np.float32) for name in names}, {})])  # fmt: skip
-    held = {row: cache.read_block(row, 0, cache.length, 0, 1) for row in range(3)}
-    assert held[0][1] and all(state.any() for state in held[0][1].values())  # fox-pro-tiny's token shift
+    unmoved = {row: cache.read_block(row, 0, cache.length, 0, 1) for row in range(3)}
+    assert unmoved[0][1] and all(state.any() for state in unmoved[0][1].values())  # fox-pro-tiny's token shift
     cache.move([0, 2], 5, 20, 1)
     for row in range(3):
         slots, states = cache.read_block(row, 0, cache.length, 0, 1)
         for name in names:
-            want = held[row][0][name].copy()
+            want = unmoved[row][0][name].copy()
             if row != 1:
-                want[:, 1:16] = held[row][0][name][:, 5:20]
+                want[:, 1:16] = unmoved[row][0][name][:, 5:20]
             np.testing.assert_array_equal(slots[name], want, err_msg=f"row {row} {name}")
         for name, state in states.items():
-            np.testing.assert_array_equal(state, held[row][1][name], err_msg=f"row {row} {name}")
+            np.testing.assert_array_equal(state, unmoved[row][1][name], err_msg=f"row {row} {name}")

@@ -169,8 +169,8 @@ def test_min_new_tokens_holds_back_stop_tokens(dynamic_artifact):
     generator = Generator.open(dynamic_artifact, CPU)
     free = generator.generate([PROMPTS[0]], GenerationConfig(max_new_tokens=8))
     stop = free.tokens[0][1]
-    held = generator.generate([PROMPTS[0]], GenerationConfig(max_new_tokens=8, min_new_tokens=5, stop_tokens=(stop,)))
-    assert stop not in held.tokens[0][:5] and len(held.tokens[0]) >= 5
+    late = generator.generate([PROMPTS[0]], GenerationConfig(max_new_tokens=8, min_new_tokens=5, stop_tokens=(stop,)))
+    assert stop not in late.tokens[0][:5] and len(late.tokens[0]) >= 5
 
 
 def drained(stream):

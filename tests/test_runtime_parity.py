@@ -66,7 +66,7 @@ FP16_CASES = [("fox-tiny", "static"), ("fox-gqa-tiny", "dynamic"), ("fox-pro-tin
 def test_fp16_gqa_artifacts_of_every_preset_generate_what_eager_fp16_generates(exported, preset, cache):
     """fp16 exports attend through GroupQueryAttention with the FoX bias (in fp32 up to the kernel); each
     preset, in one cache kind or the other, generates eager fp16's greedy tokens with its logits within the
-    fp16 tolerance, up to a step where eager's two best tokens are closer than fp16 can tell apart (eager
+    fp16 tolerance, up to a step where eager's two best tokens are closer than fp16 can resolve (eager
     fp16 and fp32 already differ by 1.3e-2 on the trained presets), after which the rows may part."""
     check_parity(exported, preset, cache, "left-padded-batch", "cpu", dtype="fp16", new_tokens=FP16_NEW_TOKENS)
 

@@ -213,8 +213,8 @@ def test_a_full_queue_is_a_429_with_retry_after_and_the_queued_request_still_run
     results, body = [], {"prompt": [7, 8], "max_tokens": 4, "temperature": 0}
     with held_steps(monkeypatch) as release, serving(generator, max_batch=1, max_queue=1) as (url, engine):
         first = {"prompt": [5, 6], "max_tokens": 8, "stream": True}
-        with httpx.Client(base_url=url, timeout=60) as http, http.stream("POST", "/v1/completions", json=first) as held:
-            lines = held.iter_lines()
+        with httpx.Client(base_url=url, timeout=60) as http, http.stream("POST", "/v1/completions", json=first) as busy:
+            lines = busy.iter_lines()
             next(lines)  # its first token: it holds the only row
             queued = threading.Thread(target=lambda: results.append(http.post("/v1/completions", json=body)))
             queued.start()

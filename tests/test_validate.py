@@ -106,17 +106,17 @@ def _nodes(graph: onnx.GraphProto):
                 yield from _nodes(attribute.g)
 
 
-def test_a_pruned_export_is_validated_with_its_heads_apart(tmp_path):
-    """Once pruning parts a layer's heads, a pruned graph runs other branches (exporters/translations.py): a masked
+def test_a_pruned_export_is_validated_with_its_heads_staggered(tmp_path):
+    """Once pruning staggers a layer's heads, a pruned graph runs other branches (exporters/translations.py): a masked
     step, an unmasked step and a prompt's chunk. The validation runs each against eager, so an error planted in
-    those branches alone (the folded attention's scale, 1% off) fails it at the first step with the heads apart,
+    those branches alone (the folded attention's scale, 1% off) fails it at the first step with the heads staggered,
     while every step with the heads together still passes."""
     options = ExportOptions(
         "fox-gqa-tiny", tmp_path / "pruned", "dynamic", attention="gqa", log_pruning_tolerance=-10.0
     )
     result = export_artifact(options, log=lambda line: None)
-    apart = ["masked 1", "masked 2", "masked 3", "unmasked 1", "chunk 1", "unmasked 2"]
-    assert result.report.passed and [step.step for step in result.report.steps][1 + validate.DECODE_STEPS :] == apart
+    branches = ["masked 1", "masked 2", "masked 3", "unmasked 1", "chunk 1", "unmasked 2"]
+    assert result.report.passed and [step.step for step in result.report.steps][1 + validate.DECODE_STEPS :] == branches
     model = load_model("fox-gqa-tiny")
     layout = cache_layout(model.config, static=False)
     program, _ = export_program(model, layout, in_place_attention=True, window_offsets=True)
@@ -163,9 +163,9 @@ def test_the_validation_prompt_left_pads_its_first_row_only_when_it_has_others()
 
 
 def test_a_greedy_run_agrees_within_the_tolerance_and_in_half_precision_may_part_only_at_a_near_tie():
-    """Eager's two best tokens at step 1 are 1e-4 apart on a scale of 2, within twice the tolerance on that scale
-    of fp16 (0.04) and of fp32 (4e-4). A row may take the other one there in half precision alone (fp32 tells them
-    apart), and its later steps, which then follow other tokens, are not compared; a wider margin fails in fp16
+    """Eager's two best tokens at step 1 differ by 1e-4 on a scale of 2, within twice the tolerance on that scale
+    of fp16 (0.04) and of fp32 (4e-4). A row may take the other one there in half precision alone (fp32 tells which
+    is larger), and its later steps, which then follow other tokens, are not compared; a wider margin fails in fp16
     too, and logits more than the tolerance away fail at any step."""
     want_tokens = [[1, 0, 2]]
     want = [np.array([[0.0, 3.0, 1.0]], np.float32), np.array([[2.0, 0.0, 1.9999]], np.float32),

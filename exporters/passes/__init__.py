@@ -28,7 +28,7 @@ class Choices:
 
     attention: str  # how attention was lowered (exporters/translations.py)
     window_offsets: bool  # whether the graph takes forget-gate pruning's window offsets
-    keep_apart: Callable[[str], bool] = lambda module: False  # modules whose projections are not joined
+    keep_unjoined: Callable[[str], bool] = lambda module: False  # modules whose projections are not joined
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class GraphPass:
 PASSES = (
     GraphPass("weight readers named by module", lambda model, _: name_by_module(model.graph)),
     GraphPass(
-        "projections joined", lambda model, c: fuse_projections(model.graph, lambda node: c.keep_apart(node.name)),
+        "projections joined", lambda model, c: fuse_projections(model.graph, lambda node: c.keep_unjoined(node.name)),
         lambda count: f"{count} fewer MatMuls (projections joined)",
     ),
     GraphPass("attention nodes reading a joined projection whole", lambda model, _: pack_attention_inputs(model.graph)),
@@ -69,7 +69,7 @@ PASSES = (
         lambda model, c: name_present_axes(model.graph) if c.window_offsets and c.attention != "fused" else 0,
     ),
     GraphPass("logits_to_keep inputs", lambda model, _: keep_last_logits(model.graph)),
-    GraphPass("values renamed apart", lambda model, _: unique_names(model.graph)),
+    GraphPass("values named uniquely", lambda model, _: unique_names(model.graph)),
 )  # fmt: skip
 
 

@@ -39,13 +39,13 @@ def _joined(parts: list) -> ir.LazyTensor:
     )  # fmt: skip
 
 
-def fuse_projections(graph: ir.Graph, keep_apart: Callable[[ir.Node], bool] = lambda node: False) -> int:
+def fuse_projections(graph: ir.Graph, keep_unjoined: Callable[[ir.Node], bool] = lambda node: False) -> int:
     """Join every group of MatMuls that share their left operand and have constant weights of one dtype,
-    leaving out those `keep_apart` names (a quantized export keeps some projections in float); returns how
+    leaving out those `keep_unjoined` names (a quantized export keeps some projections in float); returns how
     many MatMuls were removed. The joined MatMul is named after its parts, joined by "+"."""
     groups: dict[ir.Value, list[ir.Node]] = defaultdict(list)
     for node in graph:
-        if _projects_through_constant(node) and not node.outputs[0].is_graph_output() and not keep_apart(node):
+        if _projects_through_constant(node) and not node.outputs[0].is_graph_output() and not keep_unjoined(node):
             groups[node.inputs[0]].append(node)
     removed = 0
     for nodes in groups.values():

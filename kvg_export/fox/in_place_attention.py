@@ -44,7 +44,7 @@ def group_query_attention(
     window (forget-gate pruning dropped the slots before), so its new keys and values go to slots
     `cache_position - starts[h]` of its rows, and `bias` is in each head's own slots, its width the longest
     head's window (`allowed` stays the window's). A row holding one head's slots is what the exporter hands
-    onnxruntime where the heads start apart (heads folded into rows, each with its own length), so that no
+    onnxruntime where the heads are staggered (heads folded into rows, each with its own length), so that no
     head reads another's longer window.
 
     Returns the attention output `[batch, seq, heads*head_dim]` and the updated caches, `max(past,

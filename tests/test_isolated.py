@@ -1,5 +1,5 @@
-"""exporters.apart: a function run in a spawned process answers, logs and fails as if it ran here; the exporter's
-own process never imports torch, whose half of the export runs apart."""
+"""exporters.isolated: a function run in a spawned process answers, logs and fails as if it ran here; the exporter's
+own process never imports torch, whose half of the export runs in a process of its own."""
 
 import importlib.util
 import os
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from exporters.apart import ApartError, run_apart
+from exporters.isolated import IsolatedError, run_isolated
 
 
 def doubled(value, log):
@@ -32,32 +32,33 @@ def installed(name, log):
 
 
 def test_a_package_named_absent_is_not_installed_for_the_function_while_others_are():
-    assert run_apart("test_apart:installed", "wave", log=print, absent=("tomllib",)) is True
-    assert run_apart("test_apart:installed", "wave", log=print, absent=("wave",)) is False
+    assert run_isolated("test_isolated:installed", "wave", log=print, absent=("tomllib",)) is True
+    assert run_isolated("test_isolated:installed", "wave", log=print, absent=("wave",)) is False
 
 
 def test_the_result_and_the_log_lines_come_back_from_another_process():
     lines = []
-    result = run_apart("test_apart:doubled", 21, log=lines.append)
+    result = run_isolated("test_isolated:doubled", 21, log=lines.append)
     assert result["value"] == 42 and result["pid"] != os.getpid()
     assert lines == ["doubling 21", "done"]
 
 
 def test_an_error_is_raised_here_with_its_type_message_and_the_other_process_traceback():
     with pytest.raises(ValueError, match="the value is out of range") as raised:
-        run_apart("test_apart:refused", log=print)
+        run_isolated("test_isolated:refused", log=print)
     assert any("in refused" in note for note in raised.value.__notes__)
 
 
 def test_a_process_killed_before_it_answers_is_an_error_naming_the_signal():
     lines = []
-    with pytest.raises(ApartError, match=r"SIGKILL.*out-of-memory"):
-        run_apart("test_apart:killed", log=lines.append)
+    with pytest.raises(IsolatedError, match=r"SIGKILL.*out-of-memory"):
+        run_isolated("test_isolated:killed", log=lines.append)
     assert lines == ["about to be killed"]
 
 
 def test_the_exporting_process_never_imports_torch(tmp_path):
-    """Its torch half runs apart, so the memory torch and the model take is returned before onnxruntime's."""
+    """Its torch half runs in a process of its own, so the memory torch and the model take is returned before
+    onnxruntime's."""
     script = (
         "import sys\n"
         "from exporters.cli import main\n"

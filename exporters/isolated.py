@@ -22,11 +22,11 @@ from collections.abc import Callable
 from importlib import import_module
 
 
-class ApartError(Exception):
+class IsolatedError(Exception):
     """The process ended without an answer (killed, most often by the kernel when memory ran out)."""
 
 
-def run_apart(target: str, *args, log: Callable[[str], None] | None = None, absent: tuple[str, ...] = ()):
+def run_isolated(target: str, *args, log: Callable[[str], None] | None = None, absent: tuple[str, ...] = ()):
     """`module.function(*args)` in a spawned process; given `log`, the function takes `log=` too, and its lines go
     to `log` as they come. `absent`: packages the process takes as not installed, so that a library importing an
     optional package wherever it is installed leaves it out."""
@@ -41,7 +41,7 @@ def run_apart(target: str, *args, log: Callable[[str], None] | None = None, abse
                 kind, value, where = receiver.recv()
             except EOFError:
                 process.join()
-                raise ApartError(_died(target, process.exitcode)) from None
+                raise IsolatedError(_died(target, process.exitcode)) from None
             if kind == "log":
                 log(value)
             elif kind == "result":
@@ -88,7 +88,7 @@ def _serve(sender, target: str, args: tuple, logs: bool, absent: tuple[str, ...]
     except BaseException as error:  # every error goes back to be raised in the parent
         _send_error(sender, error)
     else:
-        descriptor, path = tempfile.mkstemp(prefix="kvg-apart-", suffix=".pickle")
+        descriptor, path = tempfile.mkstemp(prefix="kvg-isolated-", suffix=".pickle")
         with os.fdopen(descriptor, "wb") as file:
             pickle.dump(result, file, protocol=pickle.HIGHEST_PROTOCOL)
         del result
