@@ -21,9 +21,7 @@ import onnxruntime as ort
 from runtime import buffers
 from runtime.artifact import Artifact
 from runtime.contract import BATCH_AXIS, PAST_AXIS, WINDOW_OFFSETS, held_in_place
-from runtime.pruning import PruningError, needed_slots
-
-PRUNE_EVERY = 64  # decode steps between two prunings (each sums every head's gates over the window)
+from runtime.pruning import PRUNE_EVERY, PruningError, needed_slots
 
 
 def _field(name: str) -> str:
@@ -51,7 +49,7 @@ class DeviceCache:
             if past in self.in_place:
                 self.layer_buffers[index // fields].append(past)
         self.gate_names = artifact.gate_names()
-        # Each layer's present keys and values that its runs give folded while its heads' windows start apart
+        # Each layer's present keys and values that its runs give folded while its heads' windows are staggered
         self.folding = {present: index // fields for index, (past, present) in enumerate(self.pairs)
                         if past in self.in_place and artifact.folds(present)}  # fmt: skip
         limit = artifact.manifest["cache"]["max_cache_len"]
@@ -61,7 +59,8 @@ class DeviceCache:
         # layer's in an artifact exported before heads had theirs; else one window for all
         offsets = next((e for e in artifact.manifest.get("optional_inputs", []) if e["name"] == WINDOW_OFFSETS), None)
         self.windows = "one" if offsets is None else "head" if len(offsets["axes"]) == 2 else "layer"
-        self.chunks_apart = artifact.manifest["cache"].get("heads_apart_in_chunks", False)  # not only in decode
+        # Whether a prompt's chunk too runs with each head its own window, not only a decode step
+        self.chunk_heads_staggered = artifact.manifest["cache"].get("heads_apart_in_chunks", False)
         self.heads = artifact.manifest["model"]["num_kv_heads"]
         self.offsets = np.zeros(offsets["axes"] if offsets else layers, dtype=np.int64)  # window_offsets: each
         # window's start past `offset`
@@ -76,9 +75,9 @@ class DeviceCache:
         grown_length = max(length, 2 * self.length)
         for past in self.in_place:
             dtype = self.dtypes[past]
-            held = buffers.to_host(self.past[past], dtype)
-            grown = np.zeros((*held.shape[:2], grown_length, *held.shape[3:]), held.dtype)
-            grown[:, :, : self.length] = held
+            host = buffers.to_host(self.past[past], dtype)
+            grown = np.zeros((*host.shape[:2], grown_length, *host.shape[3:]), host.dtype)
+            grown[:, :, : self.length] = host
             self.past[past] = buffers.from_host(grown, dtype, self.device)
         self.length, self.moved = grown_length, True
 
@@ -162,7 +161,7 @@ class DeviceCache:
         kept = needs.reshape(len(needs), self.heads, group).max(-1)  # per layer and kv head
         if self.windows == "one":
             kept[:] = kept.max()
-        elif self.windows == "layer" or (new > 1 and not self.chunks_apart):  # the heads kept together
+        elif self.windows == "layer" or (new > 1 and not self.chunk_heads_staggered):  # the heads kept together
             kept[:] = kept.max(1, keepdims=True)
         room = new if self.capacity is None else min(new, self.capacity - int(kept.max()))
         if room < 1:
@@ -183,20 +182,20 @@ class DeviceCache:
         head's slots past its own are zero (see `reset`), which adds nothing to its sums and is never
         droppable, so it needs what it needs of its own, less the slots it lacks."""
         longest = slots.max(1)
-        gates = [buffers.to_host(self.past[name], "float32")[rows, :, :held]
-                 for name, held in zip(self.gate_names, longest, strict=True)]  # fmt: skip
+        gates = [buffers.to_host(self.past[name], "float32")[rows, :, :filled]
+                 for name, filled in zip(self.gate_names, longest, strict=True)]  # fmt: skip
         lacking = (longest[:, None] - slots).repeat(self.thresholds.shape[1] // self.heads, axis=1)
         return needed_slots(gates, self.thresholds) - lacking
 
-    def _drop(self, layer: int, group: int, drops: np.ndarray, held: np.ndarray) -> None:
+    def _drop(self, layer: int, group: int, drops: np.ndarray, filled: np.ndarray) -> None:
         """Move each kv head's kept slots of `layer` (and its query heads' gates) to the front of its rows, the head's
-        oldest `drops[h]` of the `held[h]` it held dropped; each buffer visits the host once for all its heads."""
+        oldest `drops[h]` of its `filled[h]` slots dropped; each buffer visits the host once for all its heads."""
         for past in self.layer_buffers[layer]:
             gates = past in self.gate_names  # a head's gate slots past its window must be zero (see `reset`)
             with buffers.on_host(self.past[past], self.dtypes[past], self.device) as host:
                 for head in np.flatnonzero(drops > 0):
                     heads = slice(head * group, (head + 1) * group) if gates else head
-                    buffers.move_slots(host, slice(None), int(drops[head]), int(held[head]), 0, heads, gates)
+                    buffers.move_slots(host, slice(None), int(drops[head]), int(filled[head]), 0, heads, gates)
         self.dropped[layer] += np.maximum(drops, 0)
 
     @property
@@ -205,7 +204,7 @@ class DeviceCache:
         return bool(self.fed_back)
 
     def _folded(self, present: str) -> bool:
-        """Whether the next run gives `present` folded: its layer's heads' windows start apart."""
+        """Whether the next run gives `present` folded: its layer's heads' windows are staggered."""
         layer = self.folding.get(present)
         return layer is not None and self.offsets[layer].min() != self.offsets[layer].max()
 
@@ -244,8 +243,8 @@ class DeviceCache:
                 continue
             if past not in self.fresh:
                 self.fresh[past] = buffers.zeros([1, *self.past[past].shape()[1:]], dtype, self.device)
-            held = (self.past[past], self.spare[past], self.fresh[past])
-            buffers.bind_row_state(binding, (past, present), held, dtype, self.device, row, chunk, chunks)
+            current = (self.past[past], self.spare[past], self.fresh[past])
+            buffers.bind_row_state(binding, (past, present), current, dtype, self.device, row, chunk, chunks)
         self.moved = True  # the next decode step binds every row again
 
     def bind_step(self, binding: ort.IOBinding, following: ort.IOBinding, rows: int, fresh: bool) -> None:

@@ -1,5 +1,9 @@
 """Continuous batching: one loop serves many requests at once over a static artifact's cache rows.
 
+The engine is a scheduler and a runner (vLLM's schedule, execute, update): each turn of its loop admits the
+oldest waiting request once a row is free and its tokens fit, runs one decode step over the running rows and one
+prompt chunk, and hands each row's logits to its request's Search. Where the tokens lie is the RowCache's.
+
 A request waits in a bounded queue until a row is free and its tokens fit in the cache, is prefilled into
 that row alone (on the shared slot clock, see RowCache), a chunk of at most `prefill_budget` tokens between two
 decode steps of the others, from the longest prefix of a recent prompt that it shares (see PrefixCache), and
@@ -21,11 +25,9 @@ import numpy as np
 
 from runtime.artifact import ArtifactError
 from runtime.decode_step import DecodeStep
-from runtime.device_cache import PRUNE_EVERY
 from runtime.generator import Generator, bind_chunk, chunk_size, chunk_spans
 from runtime.logprobs import TokenLogprob, chosen_logprob, prompt_logprobs
 from runtime.prefix_cache import Block, PrefixCache
-from runtime.pruning import PruningError, needed_slots
 from runtime.row_cache import RowCache
 from runtime.search import GenerationConfig, Search
 
@@ -83,10 +85,7 @@ class Request:
 @dataclass(eq=False)
 class _Row:
     request: Request
-    begin: int  # the slot of the request's first token
     search: Search  # of this request alone: its tokens are those it gets alone
-    thresholds: np.ndarray | None = None  # forget-gate pruning's, per layer and head (None: every key kept)
-    dropped: int = 0  # the request's oldest positions that pruning dropped: its slots before `begin`
 
     @property
     def generated(self) -> list[int]:
@@ -150,7 +149,6 @@ class Engine:
         self._prefill_binding = generator.artifact.session.io_binding()
         self.cache = RowCache(generator.artifact, max_batch)
         self.rows: list[_Row | None] = [None] * max_batch
-        self.clock = 0  # the slot the next decode step writes, in every row
         self.decode_one_token = DecodeStep(
             generator.artifact, self.cache, generator.artifact.session.run_with_iobinding
         )
@@ -245,8 +243,12 @@ class Engine:
     def _fail_running(self, message: str) -> None:
         for index, row in enumerate(self.rows):
             if row is not None:
-                self.rows[index] = None
+                self._free(index)
                 self._send(row.request, Failed(message))
+
+    def _free(self, index: int) -> None:
+        self.rows[index] = None
+        self.cache.leave(index)
 
     @staticmethod
     def _send(request: Request, event: Event) -> bool:
@@ -274,20 +276,22 @@ class Engine:
 
     def _admit(self) -> None:
         """Start prefilling the oldest waiting request into a free row once it fits; one prefill at a time."""
-        row = next((i for i, held in enumerate(self.rows) if held is None and i != self._filling_row), None)
+        row = next((i for i, other in enumerate(self.rows) if other is None and i != self._filling_row), None)
         if self.filling is not None or row is None or (request := self._next_waiting()) is None:
             return
         prompt = request.prompt
         blocks = self._cached_prefix(request)
         resumed = blocks[-1].end if blocks else 0
         spans = [(resumed + b, resumed + e) for b, e in chunk_spans(len(prompt) - resumed, self._chunk(request.config))]
-        end = self._place(len(prompt), _feeds(request.config), len(spans))
+        running = [other.feeds_left for other in self.rows if other is not None]
+        reserved = max(self._reserved(feeds) for feeds in [*running, _feeds(request.config)])
+        end = self.cache.place(len(prompt), len(spans), reserved)
         if end is None:
             return  # it fits once running rows end: it stays first in the queue
         with self._wake:
             self.waiting.popleft()
         self.filling = _Filling(request, row, end, spans, [TokenLogprob(prompt[0], None)], resumed)
-        if blocks:  # into slots the clock has passed, as `_place` leaves them
+        if blocks:  # into slots the clock has passed, as `RowCache.place` leaves them
             self.cache.write_prefix(row, end - len(prompt), blocks)
             self.cache.resume(blocks[-1].states)
 
@@ -306,30 +310,6 @@ class Engine:
     def _filling_row(self) -> int | None:
         return None if self.filling is None else self.filling.row
 
-    def _place(self, length: int, feeds: int, chunks: int) -> int | None:
-        """Where a prompt of `length` tokens, prefilled in `chunks` runs, ends: the clock once its last chunk is in,
-        one decode step after each. Moves the running rows later when the clock is not far enough on for the prompt
-        to fit before that; None while the rows' needs do not fit in the cache together."""
-        running = [row for row in self.rows if row is not None]
-        if not running:
-            self.clock = 0
-        elif self.clock + chunks > self.cache.length:  # it would end past the cache: the running rows move up first
-            self._compact()
-        end = max(self.clock + chunks, length)
-        lift = end - chunks - self.clock
-        first = min([row.begin + lift for row in running] + [end - length])
-        reserved = max(self._reserved(left) for left in [row.feeds_left for row in running] + [feeds])
-        if end - first + reserved > self.cache.length:
-            return None
-        if lift and running:
-            rows = [index for index, row in enumerate(self.rows) if row is not None]
-            start = min(row.begin for row in running)
-            self.cache.move(rows, start, self.clock, start + lift)
-            for row in running:
-                row.begin += lift
-        self.clock += lift
-        return end
-
     def _fill(self) -> None:
         """Prefill the next chunk of the request being prefilled; after its last, the request joins decoding.
 
@@ -345,7 +325,7 @@ class Engine:
             return
         start, end = filling.spans[filling.done]
         begin = filling.end - len(prompt)
-        self.clock = max(self.clock, begin + end)
+        self.cache.catch_up(begin + end)
         scoring = request.echo and request.logprobs is not None  # every position's logits, to score the prompt
         mask = np.zeros((1, begin + end), dtype=np.int64)
         mask[:, begin:] = 1
@@ -382,8 +362,8 @@ class Engine:
         config, prompt = request.config, request.prompt
         pruning = generator.pruning
         thresholds = None if pruning is None else pruning.thresholds(len(prompt) + config.max_new_tokens - 1)
-        search = Search(config, [prompt], generator.eos, generator.pad)
-        self.rows[filling.row] = _Row(request, begin, search, thresholds)
+        self.rows[filling.row] = _Row(request, Search(config, [prompt], generator.eos, generator.pad))
+        self.cache.join(filling.row, begin, thresholds)
         self._choose(filling.row, logits)
 
     @property
@@ -394,84 +374,34 @@ class Engine:
         """One decode step over rows [0, last occupied]; free rows among them (and a row being prefilled) are fed
         padding and ignored."""
         self._drop_cancelled()
+        for index, error in self.cache.before_step():  # a row the cache has no room for
+            request = self.rows[index].request
+            self._free(index)
+            self._send(request, Failed(str(error)))
         if not self._decoding:
             return
-        if self.clock == self.cache.length:
-            self._make_room()
-            if not self._decoding:
-                return
-        elif self.generator.pruning is not None and self.clock % PRUNE_EVERY == 0:
-            self._prune()
         count = max(index for index, row in enumerate(self.rows) if row is not None) + 1
-        ids, mask = self._step_inputs(count)
+        ids = np.array([[row.generated[-1] if row else self.generator.pad] for row in self.rows[:count]], np.int64)
         try:
-            logits = self.decode_one_token(ids, self.clock, mask)
+            logits = self.decode_one_token(ids, self.cache.clock, self.cache.step_mask(count))
         except Exception as error:  # nothing of this step is usable: its requests fail, later ones go on
             self._fail_running(f"decode step failed: {error}")
             return
-        self.clock += 1
         for index in range(count):
             if self.rows[index] is not None:
                 self._choose(index, logits[index : index + 1])
 
-    def _step_inputs(self, count: int) -> tuple[np.ndarray, np.ndarray]:
-        """A step's token ids `[count, 1]` and mask `[count, clock + 1]` over rows [0, count): each running row
-        attends its own slots from its `begin`, and a free row (fed padding) its own slot alone."""
-        ids = np.full((count, 1), self.generator.pad, dtype=np.int64)
-        begins = np.full(count, self.clock, dtype=np.int64)
-        dropped = np.zeros(count, dtype=np.int64)
-        for index, row in enumerate(self.rows[:count]):
-            if row is not None:
-                ids[index, 0], begins[index], dropped[index] = row.generated[-1], row.begin, row.dropped
-        mask = (np.arange(self.clock + 1) >= begins[:, None]).astype(np.int64)
-        mask[np.arange(count), begins] += dropped  # so that RoPE positions count them (see DeviceCache.window_mask)
-        return ids, mask
-
     def _drop_cancelled(self) -> None:
         for index, row in enumerate(self.rows):
             if row is not None and row.request.cancelled:
-                self.rows[index] = None
-
-    def _prune(self) -> dict[int, np.ndarray]:
-        """Drop each pruned row's oldest slots that every head of every layer allows (they fall out of its mask,
-        and out of the cache at the next `_compact`); returns the slots each row's heads still need
-        `[layers, heads]`, by row."""
-        needs = {}
-        for index, row in enumerate(self.rows):
-            if row is None or row.thresholds is None:
-                continue
-            needs[index] = needed_slots(self.cache.gates(index, row.begin, self.clock), row.thresholds)
-            drop = self.clock - row.begin - int(needs[index].max())
-            row.begin, row.dropped = row.begin + drop, row.dropped + drop
-        return needs
-
-    def _make_room(self) -> None:
-        """At the end of the cache: drop what pruning allows and move every running row's slots to the front;
-        while that leaves no room, the row that holds the most slots fails, naming the head that needs them."""
-        while self._decoding:
-            needs = self._prune() if self.generator.pruning is not None else {}
-            self._compact()
-            if self.clock < self.cache.length:
-                return
-            index = min((i for i, row in enumerate(self.rows) if row is not None), key=lambda i: self.rows[i].begin)
-            row, self.rows[index] = self.rows[index], None
-            self._send(row.request, Failed(str(PruningError.no_room(needs[index], row.thresholds, self.cache.length))))
-
-    def _compact(self) -> None:
-        """Move every running row's slots to the front once the clock reaches the end of the cache."""
-        rows = [index for index, row in enumerate(self.rows) if row is not None]
-        start = min(self.rows[index].begin for index in rows)
-        self.cache.move(rows, start, self.clock, 0)
-        for index in rows:
-            self.rows[index].begin -= start
-        self.clock -= start
+                self._free(index)
 
     def _choose(self, index: int, logits: np.ndarray) -> None:
         """The row's next token from its logits `[1, vocab]`, sent; the row is freed if it is done."""
         row = self.rows[index]
         request, config = row.request, row.request.config
         if request.cancelled:
-            self.rows[index] = None
+            self._free(index)
             return
         search = row.search
         try:
@@ -481,15 +411,15 @@ class Engine:
             if request.logprobs is not None:
                 scored = chosen_logprob(logits, token, config.sampling, request.logprobs, search.context, banned)
         except Exception as error:  # a fault in one request's sampling fails that request only
-            self.rows[index] = None
+            self._free(index)
             self._send(request, Failed(f"sampling failed: {error}"))
             return
         search.record(np.array([token]))
         if not self._send(request, Token(token, scored)):
-            self.rows[index] = None
+            self._free(index)
             return
         if not search.done and request.deadline is not None and time.monotonic() > request.deadline:
             search.end(0, "length")
         if search.done:
-            self.rows[index] = None
+            self._free(index)
             self._send(request, Finished(search.reasons[0], len(request.prompt), len(row.generated)))

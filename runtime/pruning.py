@@ -18,6 +18,7 @@ import numpy as np
 
 from runtime.artifact import ArtifactError
 
+PRUNE_EVERY = 64  # decode steps between two prunings (each sums every head's gates over the window)
 AS_EXPORTED = "artifact"  # a tolerance that means: as the artifact's manifest records it
 Tolerance = float | str | None  # a log_pruning_tolerance, AS_EXPORTED, or None: no pruning
 

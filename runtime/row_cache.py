@@ -8,6 +8,10 @@ key's gate sum runs only over the slots after it, which are all the request's ow
 
 Rows are views into one buffer per tensor (the batch is the leading axis), bound by address: a decode step
 binds rows [0, n), a prefill binds one row, and nothing is copied between steps.
+
+The cache keeps the slot bookkeeping too: the clock, where each running row's tokens begin, what pruning has
+dropped from them, and the moves that make room (a new prompt placed before the clock, the rows moved to the
+front at the end of the buffers). The engine decides which requests run; the cache, where their tokens lie.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import onnxruntime as ort
 from runtime import buffers
 from runtime.artifact import Artifact
 from runtime.prefix_cache import Block
+from runtime.pruning import PRUNE_EVERY, PruningError, needed_slots
 
 
 class RowCache:
@@ -35,6 +40,10 @@ class RowCache:
         self.fresh = {past: self._zeros(past, 1) for past, _ in self.shifted}  # a new request's state
         # A prompt's state between its chunks, out of the rows' buffers, which the decode steps between chunks rewrite
         self.scratch = {past: (self._zeros(past, 1), self._zeros(past, 1)) for past, _ in self.shifted}
+        self.clock = 0  # the slot the next decode step writes, in every row
+        self.running: dict[int, np.ndarray | None] = {}  # decoding rows: pruning's thresholds (None: keep every key)
+        self.begins = np.zeros(rows, dtype=np.int64)  # a running row's first kept slot
+        self.dropped = np.zeros(rows, dtype=np.int64)  # a running row's oldest positions that pruning dropped
 
     def _zeros(self, name: str, rows: int) -> ort.OrtValue:
         """Zeroed, since a slot no request wrote is still read (with weight exactly 0) and 0 * NaN is NaN; touched
@@ -69,7 +78,8 @@ class RowCache:
                 self._bind(target.bind_output, present, past, written, 0, rows)
 
     def advance(self, outputs: None = None) -> None:
-        """After a decode step: the spares hold the shift states now."""
+        """After a decode step: the clock moves on, and the spares hold the shift states now."""
+        self.clock += 1
         for past, _ in self.shifted:
             self.buffers[past], self.spare[past] = self.spare[past], self.buffers[past]
 
@@ -106,17 +116,17 @@ class RowCache:
         """Put a cached prefix's blocks back into the row, its first token at slot `begin`; each buffer goes to the
         host and back once, however many blocks (off the CPU, `to_host` copies the whole buffer)."""
         for past, _ in self.slotted:
-            held = buffers.to_host(self.buffers[past], self.dtypes[past])
+            host = buffers.to_host(self.buffers[past], self.dtypes[past])
             for block in blocks:
-                held[row, :, begin + block.begin : begin + block.end] = block.slots[past]
-            buffers.write_back(self.buffers[past], held, self.dtypes[past], self.device)
+                host[row, :, begin + block.begin : begin + block.end] = block.slots[past]
+            buffers.write_back(self.buffers[past], host, self.dtypes[past], self.device)
 
     def resume(self, states: dict[str, np.ndarray]) -> None:
         """Make `states` the shift states a resumed prompt's first chunk reads (see `bind_row`)."""
         for past, state in states.items():
-            held = buffers.to_host(self.scratch[past][1], self.dtypes[past])
-            held[0] = state
-            buffers.write_back(self.scratch[past][1], held, self.dtypes[past], self.device)
+            host = buffers.to_host(self.scratch[past][1], self.dtypes[past])
+            host[0] = state
+            buffers.write_back(self.scratch[past][1], host, self.dtypes[past], self.device)
 
     def gates(self, row: int, begin: int, end: int) -> list[np.ndarray]:
         """Slots [begin, end) of `row`'s gates, `[1, heads, end - begin]` per layer (views on the CPU)."""
@@ -127,5 +137,91 @@ class RowCache:
         if not rows or begin == to:
             return
         for past, _ in self.slotted:
-            with buffers.on_host(self.buffers[past], self.dtypes[past], self.device) as held:
-                buffers.move_slots(held, rows, begin, end, to)
+            with buffers.on_host(self.buffers[past], self.dtypes[past], self.device) as host:
+                buffers.move_slots(host, rows, begin, end, to)
+
+    def join(self, row: int, begin: int, thresholds: np.ndarray | None) -> None:
+        """`row` decodes from now on, its prompt's first token at slot `begin`, pruned by `thresholds`
+        (`[layers, heads]`, see runtime/pruning.py; None: every key kept)."""
+        self.running[row], self.begins[row], self.dropped[row] = thresholds, begin, 0
+
+    def leave(self, row: int) -> None:
+        self.running.pop(row, None)
+
+    def catch_up(self, slot: int) -> None:
+        """Move the clock on to `slot` (a prompt's chunk wrote up to it while no row decoded)."""
+        self.clock = max(self.clock, slot)
+
+    def place(self, length: int, chunks: int, reserved: int) -> int | None:
+        """Where a prompt of `length` tokens, prefilled in `chunks` runs, ends: the clock once its last chunk is in,
+        one decode step after each. Moves the running rows later when the clock is not far enough on for the prompt
+        to fit before that; None while it and the running rows, each with `reserved` slots more, do not fit."""
+        rows = sorted(self.running)
+        if not rows:
+            self.clock = 0
+        elif self.clock + chunks > self.length:  # it would end past the cache: the running rows move up first
+            self._compact()
+        end = max(self.clock + chunks, length)
+        lift = end - chunks - self.clock
+        first = min([int(self.begins[row]) + lift for row in rows] + [end - length])
+        if end - first + reserved > self.length:
+            return None
+        if lift and rows:
+            start = int(self.begins[rows].min())
+            self.move(rows, start, self.clock, start + lift)
+            self.begins[rows] += lift
+        self.clock += lift
+        return end
+
+    def before_step(self) -> list[tuple[int, PruningError]]:
+        """Make room for a decode step: at the end of the cache, drop what pruning allows and move the running rows
+        to the front, and while that leaves no room, the row that holds the most slots leaves (returned, with the
+        error naming the head that needs them); otherwise prune every PRUNE_EVERY slots."""
+        if self.clock < self.length:
+            if self.clock % PRUNE_EVERY == 0:
+                self._prune()
+            return []
+        failed = []
+        while self.running:
+            needs = self._prune()
+            self._compact()
+            if self.clock < self.length:
+                break
+            row = min(self.running, key=lambda r: self.begins[r])
+            failed.append((row, PruningError.no_room(needs[row], self.running[row], self.length)))
+            self.leave(row)
+        return failed
+
+    def step_mask(self, count: int) -> np.ndarray:
+        """A decode step's attention mask over rows [0, count) `[count, clock + 1]`: a running row attends its
+        slots from its first kept one, which also counts the positions dropped before it (so that RoPE positions
+        count them, as DeviceCache.window_mask does); any other row attends its own slot alone."""
+        begins = np.full(count, self.clock, dtype=np.int64)
+        dropped = np.zeros(count, dtype=np.int64)
+        rows = [row for row in self.running if row < count]
+        begins[rows], dropped[rows] = self.begins[rows], self.dropped[rows]
+        mask = (np.arange(self.clock + 1) >= begins[:, None]).astype(np.int64)
+        mask[np.arange(count), begins] += dropped
+        return mask
+
+    def _prune(self) -> dict[int, np.ndarray]:
+        """Drop each pruned row's oldest slots that every head of every layer allows (they fall out of its mask,
+        and out of the cache at the next `_compact`); returns the slots each row's heads still need
+        `[layers, heads]`, by row."""
+        needs = {}
+        for row, thresholds in self.running.items():
+            if thresholds is None:
+                continue
+            needs[row] = needed_slots(self.gates(row, int(self.begins[row]), self.clock), thresholds)
+            drop = self.clock - int(self.begins[row]) - int(needs[row].max())
+            self.begins[row] += drop
+            self.dropped[row] += drop
+        return needs
+
+    def _compact(self) -> None:
+        """Move every running row's slots to the front."""
+        rows = sorted(self.running)
+        start = int(self.begins[rows].min())
+        self.move(rows, start, self.clock, 0)
+        self.begins[rows] -= start
+        self.clock -= start

@@ -1,0 +1,53 @@
+"""runtime/device_cache.py: the Generator's cache. Its window mask keeps every token's RoPE position once pruning
+has moved the window past dropped positions, and its buffers grow keeping what they hold; each against a
+computation by hand (the running sum of the whole mask, numpy copies of the buffers)."""
+
+import numpy as np
+import pytest
+
+from runtime.artifact import Artifact, SessionOptions
+from runtime.buffers import from_host, to_host
+from runtime.device_cache import DeviceCache
+
+
+@pytest.fixture(scope="module")
+def cache(exported):
+    artifact = Artifact.open(exported("fox-tiny", "dynamic")[0].path, SessionOptions(provider="cpu"))
+    return DeviceCache(artifact, 3)
+
+
+def test_the_window_mask_keeps_each_positions_count_of_the_tokens_before_it(cache):
+    """A token's RoPE position is the running sum of its row's mask; dropping the window's front must not change
+    it, for a padded row, a row that stopped (zeros after), and as the window moves on twice."""
+    cache.reset()
+    full = np.ones((3, 20), dtype=np.int64)
+    full[1, :4] = 0  # left padding
+    full[2, 12:] = 0  # a row that stopped generating
+    mask = full.copy()
+    for offset, end in [(5, 14), (9, 20)]:
+        cache.offset = offset  # as pruning leaves it: positions [0, offset) dropped from every head
+        window = cache.window_mask(mask, end)
+        assert window.shape == (3, end - offset)
+        attended = full[:, offset:end] > 0
+        np.testing.assert_array_equal(window > 0, attended)
+        np.testing.assert_array_equal(np.where(attended, window.cumsum(1), 0),
+                                      np.where(attended, full.cumsum(1)[:, offset:end], 0))  # fmt: skip
+
+
+def test_growing_buffers_keep_what_they_hold_and_at_least_double(cache):
+    cache.reset()
+    cache.start(None, length=5)
+    rng = np.random.default_rng(0)
+    written = {}
+    for name in cache.in_place:
+        host = rng.normal(size=to_host(cache.past[name], cache.dtypes[name]).shape).astype(np.float32)
+        cache.past[name] = from_host(host, cache.dtypes[name], cache.device)
+        written[name] = host
+    cache.reserve(7)
+    assert cache.length == 10  # 7 asked, but twice 5
+    for name, host in written.items():
+        grown = to_host(cache.past[name], cache.dtypes[name])
+        assert grown.shape[2] == 10
+        np.testing.assert_array_equal(grown[:, :, :5], host)
+        assert not grown[:, :, 5:].any()
+    assert cache.moved  # the buffers are new: the next step binds them again
