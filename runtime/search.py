@@ -35,6 +35,7 @@ class Search:
         self.tokens: list[list[int]] = [[] for _ in prompts]
         self.reasons: list[str | None] = [None] * len(prompts)  # "stop" or "length" once a row has ended
         self.ended = np.zeros(len(prompts), dtype=bool)
+        self.finished = 0  # how many rows have ended: a count each step tests more cheaply than `ended`
         self.steps = 0  # tokens chosen so far, per running row
 
     @property
@@ -44,12 +45,12 @@ class Search:
 
     @property
     def done(self) -> bool:
-        return bool(self.ended.all())
+        return self.finished == len(self.reasons)
 
     def choose(self, logits: np.ndarray) -> np.ndarray:
         """Each row's next token `[rows]` from its logits `[rows, vocab]`; padding for a row that has ended."""
         chosen = self.sampler.choose(logits, self.context, self.banned)
-        return np.where(self.ended, self.pad, chosen) if self.ended.any() else chosen
+        return np.where(self.ended, self.pad, chosen) if self.finished else chosen
 
     def record(self, chosen: np.ndarray) -> list[tuple[int, int, bool]]:
         """Take each running row's `chosen` token; returns (row, token, last) for each, `last` when the row ends
@@ -57,7 +58,7 @@ class Search:
         self.steps += 1
         taken = []
         for row, token in enumerate(chosen.tolist()):
-            if self.ended[row]:
+            if self.reasons[row] is not None:
                 continue
             self.tokens[row].append(token)
             if self.context is not None:
@@ -66,8 +67,9 @@ class Search:
                 self.end(row, "stop")
             elif self.steps == self.config.max_new_tokens:
                 self.end(row, "length")
-            taken.append((row, token, bool(self.ended[row])))
+            taken.append((row, token, self.reasons[row] is not None))
         return taken
 
     def end(self, row: int, reason: str) -> None:
         self.ended[row], self.reasons[row] = True, reason
+        self.finished += 1
