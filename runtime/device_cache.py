@@ -19,8 +19,9 @@ import numpy as np
 import onnxruntime as ort
 
 from runtime import buffers
-from runtime.artifact import Artifact
+from runtime.artifact import Artifact, ArtifactError
 from runtime.contract import BATCH_AXIS, PAST_AXIS, WINDOW_OFFSETS, held_in_place
+from runtime.prefill import chunk_size
 from runtime.pruning import PRUNE_EVERY, PruningError, needed_slots
 
 
@@ -130,6 +131,25 @@ class DeviceCache:
             mask[:, offset] = np.where(mask[:, offset] > 0, counts, 0)
             self.counted = offset
         return np.ascontiguousarray(mask[:, offset:end])
+
+    def prefill_chunks(self, width: int, most: int) -> tuple[int, bool]:
+        """How prompts `width` long are fed into this cache while it is empty: the tokens a run takes (at most `most`,
+        see prefill.chunk_size), and whether row by row. GroupQueryAttention takes a later chunk of a prompt for one
+        row only, so a gqa artifact feeds a batch row by row (into each row's part of the buffers) when its prompts
+        span several chunks; the rows share one window of slots, so such a prefill drops none (pruning starts with
+        the decode) and must fit in them."""
+        artifact = self.artifact
+        buffer = artifact.manifest["cache"]["max_cache_len"] if artifact.static else self.length or width
+        size = chunk_size(artifact, self.batch, buffer, most, window=width)
+        over = self.capacity is not None and width > self.capacity  # a pruned request's prompt, longer than its slots
+        by_row = self.batch > 1 and (width > size or over) and artifact.attention == "gqa"
+        if by_row and over:
+            raise ArtifactError(
+                f"a batch of prompts longer than one prefill chunk is prefilled row by row and pruned only after, "
+                f"so its {width} positions must fit in the artifact's {self.capacity} slots; send the prompts one "
+                "by one, or re-export with a larger --max-cache-len"
+            )
+        return (chunk_size(artifact, 1, buffer, most, window=width) if by_row else size), by_row
 
     def prepare(self, mask: np.ndarray, filled: int, new: int, rows=slice(None)) -> tuple[int, int, np.ndarray]:
         """Before a run of up to `new` positions after the first `filled` of `mask` `[batch, >= filled + new]`:

@@ -25,8 +25,9 @@ import numpy as np
 
 from runtime.artifact import ArtifactError
 from runtime.decode_step import DecodeStep
-from runtime.generator import Generator, bind_chunk, chunk_size, chunk_spans
+from runtime.generator import Generator
 from runtime.logprobs import TokenLogprob, chosen_logprob, prompt_logprobs
+from runtime.prefill import bind_chunk, chunk_size, chunk_spans
 from runtime.prefix_cache import Block, PrefixCache
 from runtime.row_cache import RowCache
 from runtime.search import GenerationConfig, Search

@@ -17,9 +17,10 @@ import numpy as np
 import onnxruntime as ort
 
 from runtime.artifact import Artifact, ArtifactError, SessionOptions
-from runtime.contract import ATTENTION_MASK, CACHE_POSITION, INPUT_IDS, LOGITS, LOGITS_TO_KEEP, held_in_place
+from runtime.contract import held_in_place
 from runtime.decode_step import DecodeStep
 from runtime.device_cache import DeviceCache
+from runtime.prefill import bind_chunk
 from runtime.pruning import AS_EXPORTED, Pruning, Tolerance
 from runtime.search import GenerationConfig, Search
 from runtime.text_stream import TextStream
@@ -29,8 +30,6 @@ from runtime.tokenizer import TextTokenizer
 # double when a generation goes further: a long max_new_tokens allocates only what is generated.
 RESERVED_NEW_TOKENS = 256
 IDLE_CACHES = 4  # caches kept for later calls once the calls that used them have ended, most recent first
-PREFILL_WORKING_SET = 256 << 20  # bytes of a prefill run's attention terms (see chunk_size)
-KEEP_LAST = ort.OrtValue.ortvalue_from_numpy(np.ones(1, dtype=np.int64))  # logits_to_keep: the last position's
 
 
 @dataclass
@@ -251,24 +250,11 @@ class Generator:
         run: Callable[[ort.IOBinding], None], every_position: bool = False,
     ) -> np.ndarray:  # fmt: skip
         """Feed the prompts `ids` `[batch, width]` (`mask` covers at least `width`) in chunks of at most
-        `prefill_chunk` tokens (see `chunk_size`), so that a run's attention terms and logits never grow with the
-        prompt; returns the logits of every position `[batch, width, vocab]`, or of the last `[batch, vocab]`.
-
-        GroupQueryAttention takes a later chunk of a prompt for one row only, so a gqa artifact prefills a
-        batch row by row (into each row's part of the cache buffers) when its prompts span several chunks; the
-        rows share one window of slots, so such a prefill drops none (pruning starts with the decode)."""
+        `prefill_chunk` tokens, or row by row (see `DeviceCache.prefill_chunks`), so that a run's attention terms
+        and logits never grow with the prompt; returns the logits of every position `[batch, width, vocab]`, or of
+        the last `[batch, vocab]`."""
         batch, width = ids.shape
-        buffer = self.artifact.manifest["cache"]["max_cache_len"] if self.artifact.static else cache.length or width
-        size = chunk_size(self.artifact, batch, buffer, prefill_chunk, window=width)  # the cache starts empty
-        chunks = width > size or (cache.capacity is not None and width > cache.capacity)  # a pruned request's
-        by_row = batch > 1 and chunks and self.artifact.attention == "gqa"
-        if by_row and cache.capacity is not None and width > cache.capacity:
-            raise ArtifactError(
-                f"a batch of prompts longer than one prefill chunk is prefilled row by row and pruned only after, "
-                f"so its {width} positions must fit in the artifact's {cache.capacity} slots; send the prompts one "
-                "by one, or re-export with a larger --max-cache-len"
-            )
-        step = chunk_size(self.artifact, 1, buffer, prefill_chunk, window=width) if by_row else size
+        step, by_row = cache.prefill_chunks(width, prefill_chunk)
         rows = [slice(row, row + 1) for row in range(batch)] if by_row else [slice(0, batch)]
         logits = []
         for part in rows:
@@ -328,46 +314,3 @@ def left_padded(prompts: list[list[int]], pad: int, new_tokens: int) -> tuple[np
     for row, prompt in enumerate(prompts):
         ids[row, width - len(prompt) :], mask[row, : width - len(prompt)] = prompt, 0
     return ids, mask
-
-
-def bind_chunk(
-    binding: ort.IOBinding, artifact: Artifact, ids: np.ndarray, mask: np.ndarray, filled: int, device: str,
-    last_only: bool,
-) -> None:  # fmt: skip
-    """Bind a prompt chunk's inputs (ids `[batch, new]` after `filled` slots, `mask` `[batch, filled + new]`, the
-    window of slots attended)
-    and its logits output, in place of the last run's; `last_only`: its last position's logits alone, where the
-    graph can spare the others (exporters/passes/last_logits.py). The cache is the caller's to bind."""
-    binding.clear_binding_inputs()
-    binding.clear_binding_outputs()
-    binding.bind_cpu_input(INPUT_IDS, np.ascontiguousarray(ids))
-    binding.bind_cpu_input(ATTENTION_MASK, np.ascontiguousarray(mask))
-    if artifact.static:
-        binding.bind_cpu_input(CACHE_POSITION, np.arange(filled, filled + ids.shape[1], dtype=np.int64))
-    if last_only and artifact.keeps_logits:
-        binding.bind_ortvalue_input(LOGITS_TO_KEEP, KEEP_LAST)
-    binding.bind_output(LOGITS, device)
-
-
-def chunk_size(artifact: Artifact, rows: int, buffer: int, most: int, window: int | None = None) -> int:
-    """How many tokens a prefill run takes: at most `most`, and few enough that its attention terms stay within
-    PREFILL_WORKING_SET however long the prompt, so a long prompt's peak memory is the weights, the cache and that.
-
-    The terms are float32 `[rows, heads, chunk, slots]` tensors: the scores, which GroupQueryAttention allocates
-    over the whole cache buffer (`buffer` slots), and the bias with its masked copy, over the slots a run attends
-    (`window`: the buffer where the caller cannot bound it, or where the graph pads the mask to the buffer, as for
-    ONNX Attention). A prompt into an empty cache of many more slots thus takes longer chunks than one that
-    fills it. The fused operator keeps no such terms (it scores a block of keys at a time): a run holds the
-    attention pattern alone, a byte per query and slot attended."""
-    if window is None or artifact.attention == "onnx-attention":
-        window = buffer
-    if artifact.attention == "fused":
-        query_bytes = rows * min(window, buffer)
-    else:
-        query_bytes = 4 * rows * artifact.manifest["model"]["num_heads"] * (buffer + 2 * min(window, buffer))
-    return max(1, min(most, PREFILL_WORKING_SET // query_bytes))
-
-
-def chunk_spans(width: int, size: int) -> list[tuple[int, int]]:
-    """The [begin, end) spans of `width` tokens in chunks of `size`."""
-    return [(begin, min(begin + size, width)) for begin in range(0, width, size)]

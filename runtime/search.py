@@ -21,7 +21,7 @@ class GenerationConfig:
     min_new_tokens: int = 0
     stop_tokens: tuple[int, ...] = ()  # besides the model's eos ids
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    prefill_chunk: int = 256  # prompts are prefilled in chunks of at most this many tokens (see generator.chunk_size)
+    prefill_chunk: int = 256  # prompts are prefilled in chunks of at most this many tokens (see prefill.chunk_size)
 
 
 class Search:

@@ -16,7 +16,8 @@ from kvg_export.onnx_model import OnnxFoxForCausalLM
 from kvg_export.presets import load_model
 from runtime import buffers
 from runtime.artifact import SessionOptions
-from runtime.generator import PREFILL_WORKING_SET, GenerationConfig, Generator, chunk_size
+from runtime.generator import GenerationConfig, Generator
+from runtime.prefill import PREFILL_WORKING_SET, chunk_size
 
 CPU = SessionOptions(provider="cpu")
 # Left-padded into a batch of width 11: chunks of 4 split it in three, and the short row's first chunk is all padding

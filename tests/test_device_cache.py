@@ -5,7 +5,7 @@ computation by hand (the running sum of the whole mask, numpy copies of the buff
 import numpy as np
 import pytest
 
-from runtime.artifact import Artifact, SessionOptions
+from runtime.artifact import Artifact, ArtifactError, SessionOptions
 from runtime.buffers import from_host, to_host
 from runtime.device_cache import DeviceCache
 
@@ -51,3 +51,20 @@ def test_growing_buffers_keep_what_they_hold_and_at_least_double(cache):
         np.testing.assert_array_equal(grown[:, :, :5], host)
         assert not grown[:, :, 5:].any()
     assert cache.moved  # the buffers are new: the next step binds them again
+
+
+@pytest.fixture(scope="module")
+def gqa_static(exported):
+    return Artifact.open(exported("fox-pro-tiny", "static", attention="gqa")[0].path, SessionOptions(provider="cpu"))
+
+
+def test_a_gqa_batch_past_one_chunk_is_fed_row_by_row_and_must_fit_its_slots(gqa_static):
+    """GroupQueryAttention takes a later chunk of a prompt for one row only: a batch whose prompts span several
+    chunks goes row by row; one row, or a batch within one chunk, goes whole; a row-by-row prompt longer than the
+    slots cannot be pruned on the way, and is refused naming the fix."""
+    slots = gqa_static.manifest["cache"]["max_cache_len"]
+    assert DeviceCache(gqa_static, 2).prefill_chunks(20, 8) == (8, True)
+    assert DeviceCache(gqa_static, 2).prefill_chunks(8, 8) == (8, False)
+    assert DeviceCache(gqa_static, 1).prefill_chunks(20, 8) == (8, False)
+    with pytest.raises(ArtifactError, match="send the prompts one by one"):
+        DeviceCache(gqa_static, 2).prefill_chunks(slots + 1, 8)

@@ -11,7 +11,8 @@ import pytest
 from runtime import engine as engine_module
 from runtime.artifact import ArtifactError, SessionOptions
 from runtime.engine import Engine, Failed, Finished, QueueFull, Token
-from runtime.generator import GenerationConfig, Generator, bind_chunk
+from runtime.generator import GenerationConfig, Generator
+from runtime.prefill import bind_chunk
 from runtime.row_cache import RowCache
 from runtime.sampling import SamplingConfig
 
