@@ -10,6 +10,7 @@ only the mask's binding (one column longer each step) and what the cache changed
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 import onnxruntime as ort
@@ -18,9 +19,20 @@ from runtime.artifact import Artifact
 from runtime.contract import ATTENTION_MASK, CACHE_POSITION, INPUT_IDS, LOGITS
 
 
+class StepCache(Protocol):
+    """What a step needs of a cache (DeviceCache for a generation, RowCache for the engine's rows)."""
+
+    device: str
+    feeds_back: bool  # whether `advance` needs the step's outputs
+
+    def bind_step(self, binding: ort.IOBinding, following: ort.IOBinding, rows: int, fresh: bool) -> None: ...
+
+    def advance(self, outputs: list[ort.OrtValue] | None) -> None: ...
+
+
 class DecodeStep:
-    def __init__(self, artifact: Artifact, cache, run: Callable[[ort.IOBinding], None]):
-        """`cache`: a DeviceCache or RowCache; `run`: runs the session on a binding (see `generator.SessionClock`)."""
+    def __init__(self, artifact: Artifact, cache: StepCache, run: Callable[[ort.IOBinding], None]):
+        """`run`: runs the session on a binding (see `generator.SessionClock`)."""
         self.artifact, self.cache, self.run = artifact, cache, run
         self.bindings = (artifact.session.io_binding(), artifact.session.io_binding())  # even steps', odd steps'
         self.steps = 0

@@ -77,7 +77,7 @@ class RowCache:
                 self._bind(target.bind_input, past, past, read, 0, rows)
                 self._bind(target.bind_output, present, past, written, 0, rows)
 
-    def advance(self, outputs: None = None) -> None:
+    def advance(self, outputs: list[ort.OrtValue] | None = None) -> None:
         """After a decode step: the clock moves on, and the spares hold the shift states now."""
         self.clock += 1
         for past, _ in self.shifted:
