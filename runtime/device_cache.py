@@ -34,7 +34,7 @@ class DeviceCache:
         self.artifact, self.batch, self.device = artifact, batch, artifact.device
         in_place = held_in_place(artifact.static, artifact.attention)
         self.length = 0 if in_place and not artifact.static else None  # where `reserve` sets the buffers' length
-        self.moved = False  # bindings are stale: in-place buffers were replaced, or their folding changed
+        self.stale_bindings = False  # in-place buffers were replaced, or their folding changed: bind every tensor again
         self.pairs = list(zip(artifact.past_names(), artifact.present_names(), strict=True))
         self.dtypes = {past: artifact.input_spec(past)["dtype"] for past, _ in self.pairs}
         self.in_place = {past for past, _ in self.pairs if in_place and not _field(past).endswith("shift")}
@@ -80,7 +80,7 @@ class DeviceCache:
             grown = np.zeros((*host.shape[:2], grown_length, *host.shape[3:]), host.dtype)
             grown[:, :, : self.length] = host
             self.past[past] = buffers.from_host(grown, dtype, self.device)
-        self.length, self.moved = grown_length, True
+        self.length, self.stale_bindings = grown_length, True
 
     def _zeros(self, name: str) -> ort.OrtValue:
         spec = self.artifact.input_spec(name)
@@ -96,7 +96,7 @@ class DeviceCache:
         0 * NaN is NaN. Everything else restarts from zero (shift states) or from empty every generation.
         Pruning stops until `start` starts it again.
         """
-        self.thresholds, self.moved = None, True
+        self.thresholds, self.stale_bindings = None, True
         self.dropped = np.zeros((len(self.gate_names), self.heads), dtype=np.int64)  # positions each head dropped
         self.offsets[:] = 0
         self.offset = 0  # positions dropped from the front of every head's buffer rows: where the window starts
@@ -193,7 +193,7 @@ class DeviceCache:
         offsets = self.dropped - self.offset
         offsets = offsets if self.windows == "head" else offsets[:, 0]
         if not np.array_equal(offsets, self.offsets):  # a layer's presents may now come folded, or no longer
-            self.offsets[:], self.moved = offsets, True  # (see `_folded`)
+            self.offsets[:], self.stale_bindings = offsets, True  # (see `_folded`)
         return room
 
     def _needs(self, slots: np.ndarray, rows) -> np.ndarray:
@@ -231,7 +231,7 @@ class DeviceCache:
     def bind(self, binding: ort.IOBinding, ahead: bool = False) -> None:
         """Bind every past input and present output (after `logits`, which the caller binds first); `ahead`: for the
         run after the next one, the swapped states' buffers trading roles in between."""
-        self.moved = False
+        self.stale_bindings = False
         if self.windows != "one":
             binding.bind_ortvalue_input(WINDOW_OFFSETS, self.offsets_value)
         for past, present in self.pairs:
@@ -265,13 +265,13 @@ class DeviceCache:
                 self.fresh[past] = buffers.zeros([1, *self.past[past].shape()[1:]], dtype, self.device)
             current = (self.past[past], self.spare[past], self.fresh[past])
             buffers.bind_row_state(binding, (past, present), current, dtype, self.device, row, chunk, chunks)
-        self.moved = True  # the next decode step binds every row again
+        self.stale_bindings = True  # the next decode step binds every row again
 
     def bind_step(self, binding: ort.IOBinding, following: ort.IOBinding, rows: int, fresh: bool) -> None:
         """Before a decode step on `binding` (of all `rows`, the cache's batch), the next one to run on `following`:
         decode steps alternate between two bindings as the swapped states' buffers do, so each is bound in full only
-        when it is `fresh` or the cache `moved`; in between, only the fed-back tensors change."""
-        if fresh or self.moved:
+        when it is `fresh` or its bindings are stale; in between, only the fed-back tensors change."""
+        if fresh or self.stale_bindings:
             self.bind(following, ahead=True)
             self.bind(binding)
             return

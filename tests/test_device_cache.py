@@ -50,7 +50,7 @@ def test_growing_buffers_keep_what_they_hold_and_at_least_double(cache):
         assert grown.shape[2] == 10
         np.testing.assert_array_equal(grown[:, :, :5], host)
         assert not grown[:, :, 5:].any()
-    assert cache.moved  # the buffers are new: the next step binds them again
+    assert cache.stale_bindings  # the buffers are new: the next step binds them again
 
 
 @pytest.fixture(scope="module")
