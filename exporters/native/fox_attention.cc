@@ -225,40 +225,30 @@ void finish(const Problem& p, float eps, bool silu) {
   }
 }
 
-// Scores of up to kQueryBlock queries (rows of `queries`, a multiple of kTileRows of them) against a block of keys
-// (`transposed`: dim rows of kKeyBlock), kTileRows queries by 16 keys at a time in registers
-void score_tile(const float* queries, int64_t rows, const float* transposed, int64_t width, int64_t dim, float* out) {
+// out = a . b (kAccumulate: out += a . b) for `rows` rows of `a` (a multiple of kTileRows) and `cols` columns of `b`
+// (a multiple of 16), over `inner` products, kTileRows rows by 16 columns at a time in registers. A chunk's scores
+// are queries . transposed keys, and its output weights . values: one small matrix product in two layouts. A row
+// stride given as a template argument (0: the one passed) is a constant the compiler folds into the addressing.
+template <bool kAccumulate, int64_t kAStride, int64_t kBStride, int64_t kOutStride>
+void tile_product(const float* a, const float* b, int64_t rows, int64_t inner, int64_t cols, float* out,
+                  int64_t stride) {
+  const int64_t a_stride = kAStride ? kAStride : stride, b_stride = kBStride ? kBStride : stride;
+  const int64_t out_stride = kOutStride ? kOutStride : stride;
   for (int64_t i0 = 0; i0 < rows; i0 += kTileRows)
-    for (int64_t j0 = 0; j0 < width; j0 += 16) {
-      float acc[kTileRows][16] = {};
-      for (int64_t d = 0; d < dim; ++d) {
-        const float* kt = transposed + d * kKeyBlock + j0;
-        for (int r = 0; r < kTileRows; ++r) {
-          const float q = queries[(i0 + r) * dim + d];
-#pragma omp simd
-          for (int c = 0; c < 16; ++c) acc[r][c] += q * kt[c];
-        }
-      }
-      for (int r = 0; r < kTileRows; ++r) std::memcpy(out + (i0 + r) * kKeyBlock + j0, acc[r], sizeof(acc[r]));
-    }
-}
-
-// acc += weights . values for the block's queries (a multiple of kTileRows rows of `weights`, kKeyBlock each) and
-// keys, kTileRows queries by 16 channels at a time in registers (dim a multiple of 16)
-void value_tile(const float* weights, int64_t rows, const float* values, int64_t width, int64_t dim, float* acc) {
-  for (int64_t i0 = 0; i0 < rows; i0 += kTileRows)
-    for (int64_t d0 = 0; d0 < dim; d0 += 16) {
+    for (int64_t c0 = 0; c0 < cols; c0 += 16) {
       float sum[kTileRows][16] = {};
-      for (int64_t j = 0; j < width; ++j) {
-        const float* v = values + j * dim + d0;
+      for (int64_t k = 0; k < inner; ++k) {
+        const float* bk = b + k * b_stride + c0;
         for (int r = 0; r < kTileRows; ++r) {
-          const float w = weights[(i0 + r) * kKeyBlock + j];
+          const float x = a[(i0 + r) * a_stride + k];
 #pragma omp simd
-          for (int c = 0; c < 16; ++c) sum[r][c] += w * v[c];
+          for (int c = 0; c < 16; ++c) sum[r][c] += x * bk[c];
         }
       }
-      for (int r = 0; r < kTileRows; ++r)
-        for (int c = 0; c < 16; ++c) acc[(i0 + r) * dim + d0 + c] += sum[r][c];
+      for (int r = 0; r < kTileRows; ++r) {
+        float* row = out + (i0 + r) * out_stride + c0;
+        for (int c = 0; c < 16; ++c) row[c] = kAccumulate ? row[c] + sum[r][c] : sum[r][c];
+      }
     }
 }
 
@@ -397,7 +387,7 @@ void attend(Problem& p, int64_t task) {
       const int64_t padded = (width + 15) / 16 * 16;
       for (int64_t j = 0; j < padded; ++j)  // read along the keys' rows; the writes' lines stay in L1
         for (int64_t d = 0; d < dim; ++d) transposed[d * kKeyBlock + j] = j < width ? block_keys[j * dim + d] : 0.0f;
-      score_tile(queries, rows, transposed, padded, dim, scores);
+      tile_product<false, 0, kKeyBlock, kKeyBlock>(queries, transposed, rows, dim, padded, scores, dim);
     } else {
       score_row(queries, block_keys, seen_by[0], dim, scores);
     }
@@ -445,7 +435,7 @@ void attend(Problem& p, int64_t task) {
     if (!tiled) {
       value_row(scores, block_values, seen_by[0], dim, acc);
     } else if (dim % 16 == 0) {
-      value_tile(scores, rows, block_values, width, dim, acc);
+      tile_product<true, kKeyBlock, 0, 0>(scores, block_values, rows, width, dim, acc, dim);
     } else {
       for (int64_t i = 0; i < count; ++i)
         for (int64_t j = 0; j < width; ++j) {
