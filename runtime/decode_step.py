@@ -25,6 +25,8 @@ class StepCache(Protocol):
     device: str
     feeds_back: bool  # whether `advance` needs the step's outputs
 
+    def prepare_step(self, rows: int) -> tuple[int, np.ndarray]: ...  # the slot a step writes, its attention mask
+
     def bind_step(self, binding: ort.IOBinding, following: ort.IOBinding, rows: int, fresh: bool) -> None: ...
 
     def advance(self, outputs: list[ort.OrtValue] | None) -> None: ...
@@ -53,10 +55,11 @@ class DecodeStep:
                 bind = binding.bind_ortvalue_output if name == LOGITS else binding.bind_ortvalue_input
                 bind(name, self.io[name][1])
 
-    def __call__(self, tokens: np.ndarray, slot: int, mask: np.ndarray) -> np.ndarray:
-        """Feed `tokens` `[rows, 1]` into `slot` of rows [0, rows) of the cache, attending the slots `mask`
-        `[rows, slot + 1]` allows; returns the logits `[rows, vocab]`."""
+    def __call__(self, tokens: np.ndarray) -> np.ndarray:
+        """Feed `tokens` `[rows, 1]` into rows [0, rows) of the cache, where and over what it says; returns the logits
+        `[rows, vocab]`."""
         rows = len(tokens)
+        slot, mask = self.cache.prepare_step(rows)
         binding, following = self.bindings[self.steps % 2], self.bindings[1 - self.steps % 2]
         fresh = not self.io or len(self.io[INPUT_IDS][0]) != rows
         if fresh:

@@ -151,7 +151,24 @@ class DeviceCache:
             )
         return (chunk_size(artifact, 1, buffer, most, window=width) if by_row else size), by_row
 
-    def prepare(self, mask: np.ndarray, filled: int, new: int, rows=slice(None)) -> tuple[int, int, np.ndarray]:
+    def decode_after(self, mask: np.ndarray, filled: int) -> None:
+        """Decode steps follow, a token a row each, after the first `filled` positions of `mask` `[batch, >= filled
+        + steps]`; the cache keeps the mask and marks in it where rows end (see `end_row`)."""
+        self.mask, self.filled, self.live = mask, filled, np.ones(self.batch, dtype=bool)
+
+    def end_row(self, row: int) -> None:
+        """`row` generates no more: its later positions are padding, and pruning keeps no slot for it."""
+        self.mask[row, self.filled :] = 0
+        self.live[row] = False
+
+    def prepare_step(self, rows: int) -> tuple[int, np.ndarray]:
+        """Before a decode step (over every row: `rows` is the batch): the slot it writes and its attention mask,
+        pruning first where due (see `make_room`)."""
+        _, slot, window = self.prepare_chunk(self.mask, self.filled, 1, self.live)
+        self.filled += 1
+        return slot, window
+
+    def prepare_chunk(self, mask: np.ndarray, filled: int, new: int, rows=slice(None)) -> tuple[int, int, np.ndarray]:
         """Before a run of up to `new` positions after the first `filled` of `mask` `[batch, >= filled + new]`:
         make room for them (see `make_room`; `rows` None: drop nothing) and grow the buffers to hold them.
         Returns how many of them fit, the slot the first is written to, and the run's attention mask."""

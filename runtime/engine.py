@@ -104,7 +104,6 @@ class _Filling:
 
     request: Request
     row: int
-    end: int  # the slot after the prompt's last: where the clock is once the last chunk is in
     spans: list[tuple[int, int]]  # the chunks' [begin, end) in the prompt
     scores: list[TokenLogprob]  # the prompt's log-probabilities so far, where the request echoes them
     resumed: int = 0  # the prompt's tokens a cached prefix supplied, before the first chunk
@@ -286,15 +285,13 @@ class Engine:
         spans = [(resumed + b, resumed + e) for b, e in chunk_spans(len(prompt) - resumed, self._chunk(request.config))]
         running = [other.feeds_left for other in self.rows if other is not None]
         reserved = max(self._reserved(feeds) for feeds in [*running, _feeds(request.config)])
-        end = self.cache.place(len(prompt), len(spans), reserved)
-        if end is None:
+        if not self.cache.place(row, len(prompt), len(spans), reserved):
             return  # it fits once running rows end: it stays first in the queue
         with self._wake:
             self.waiting.popleft()
-        self.filling = _Filling(request, row, end, spans, [TokenLogprob(prompt[0], None)], resumed)
-        if blocks:  # into slots the clock has passed, as `RowCache.place` leaves them
-            self.cache.write_prefix(row, end - len(prompt), blocks)
-            self.cache.resume(blocks[-1].states)
+        self.filling = _Filling(request, row, spans, [TokenLogprob(prompt[0], None)], resumed)
+        if blocks:
+            self.cache.restore(row, blocks)
 
     def _cached_prefix(self, request: Request) -> list[Block]:
         """The cached blocks a request's prefill may start from: none for a request that scores its prompt (every
@@ -312,27 +309,20 @@ class Engine:
         return None if self.filling is None else self.filling.row
 
     def _fill(self) -> None:
-        """Prefill the next chunk of the request being prefilled; after its last, the request joins decoding.
-
-        The prompt's slots end at `filling.end`, which the clock reaches with the last chunk, and each chunk writes
-        slots the clock has passed: a decode step meanwhile writes its padding into the row's slot at the clock,
-        which a later chunk then overwrites. The clock lags the chunks only while no row decodes, and then catches
-        up without a step."""
+        """Prefill the next chunk of the request being prefilled (where the cache placed it, see RowCache.place and
+        prepare_chunk); after its last, the request joins decoding."""
         filling, session = self.filling, self.generator.artifact.session
         request, binding = filling.request, self._prefill_binding
         config, prompt = request.config, request.prompt
         if request.cancelled:
             self.filling = None
             return
-        start, end = filling.spans[filling.done]
-        begin = filling.end - len(prompt)
-        self.cache.catch_up(begin + end)
+        span = start, end = filling.spans[filling.done]
+        slot, mask = self.cache.prepare_chunk(filling.row, span)
         scoring = request.echo and request.logprobs is not None  # every position's logits, to score the prompt
-        mask = np.zeros((1, begin + end), dtype=np.int64)
-        mask[:, begin:] = 1
         ids = np.array([prompt[start:end]], dtype=np.int64)
         try:
-            bind_chunk(binding, self.generator.artifact, ids, mask, begin + start, self.cache.device, not scoring)
+            bind_chunk(binding, self.generator.artifact, ids, mask, slot, self.cache.device, not scoring)
             self.cache.bind_row(binding, filling.row, filling.done, len(filling.spans), filling.resumed > 0)
             session.run_with_iobinding(binding)
         except Exception as error:  # onnxruntime refused this request: it fails, the engine goes on
@@ -340,9 +330,7 @@ class Engine:
             self._send(request, Failed(f"prefill failed: {error}"))
             return
         if self.prefixes is not None and end - start == self._chunk(config):  # a whole chunk: where others resume
-            slots, states = self.cache.read_block(
-                filling.row, begin + start, begin + end, filling.done, len(filling.spans)
-            )
+            slots, states = self.cache.read_chunk(filling.row, span, filling.done, len(filling.spans))
             self.prefixes.add(prompt, Block(end, start, slots, states))
         if scoring:
             chunk = binding.get_outputs()[0].numpy()[0]
@@ -353,18 +341,18 @@ class Engine:
             if request.echo:
                 self._send(request, Prompt(filling.scores if scoring else None))
             if config.max_new_tokens > 0:
-                self._join(filling, begin, binding.get_outputs()[0].numpy()[:, -1])
+                self._join(filling, binding.get_outputs()[0].numpy()[:, -1])
             else:
                 self._send(request, Finished("length", len(prompt), 0))
 
-    def _join(self, filling: _Filling, begin: int, logits: np.ndarray) -> None:
+    def _join(self, filling: _Filling, logits: np.ndarray) -> None:
         """A prefilled request's row, decoding from its first token on (chosen from the prompt's last `logits`)."""
         request, generator = filling.request, self.generator
         config, prompt = request.config, request.prompt
         pruning = generator.pruning
         thresholds = None if pruning is None else pruning.thresholds(len(prompt) + config.max_new_tokens - 1)
         self.rows[filling.row] = _Row(request, Search(config, [prompt], generator.eos, generator.pad))
-        self.cache.join(filling.row, begin, thresholds)
+        self.cache.join(filling.row, thresholds)
         self._choose(filling.row, logits)
 
     @property
@@ -384,7 +372,7 @@ class Engine:
         count = max(index for index, row in enumerate(self.rows) if row is not None) + 1
         ids = np.array([[row.generated[-1] if row else self.generator.pad] for row in self.rows[:count]], np.int64)
         try:
-            logits = self.decode_one_token(ids, self.cache.clock, self.cache.step_mask(count))
+            logits = self.decode_one_token(ids)
         except Exception as error:  # nothing of this step is usable: its requests fail, later ones go on
             self._fail_running(f"decode step failed: {error}")
             return

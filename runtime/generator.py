@@ -187,7 +187,8 @@ class Generator:
         prefill_s, first_token_s, step_logits = run.seconds, None, []
         search = Search(config, prompts, self.eos, self.pad)
         texts = [TextStream(self.tokenizer) for _ in prompts] if text_events and self.tokenizer else None
-        decode_one_token, filled = DecodeStep(self.artifact, cache, run), ids.shape[1]
+        decode_one_token = DecodeStep(self.artifact, cache, run)
+        cache.decode_after(mask, ids.shape[1])
         while True:
             if keep_logits:
                 step_logits.append(logits.copy())
@@ -197,12 +198,10 @@ class Generator:
             for row, token, last in search.record(chosen):
                 yield TokenEvent(row, token, texts[row].push(token, last) if texts else "")
                 if last:
-                    mask[row, filled:] = 0
+                    cache.end_row(row)
             if search.done:
                 break
-            _, slot, window = cache.prepare(mask, filled, 1, ~search.ended)
-            logits = decode_one_token(chosen[:, None], slot, window)
-            filled += 1
+            logits = decode_one_token(chosen[:, None])
         return self._result(search, cache, run, time.perf_counter() - start, first_token_s, prefill_s, step_logits)
 
     def _result(
@@ -280,7 +279,7 @@ class Generator:
         positions filled then. `row_chunk` (row, chunk, chunks): the chunk is that row's alone (see
         `DeviceCache.bind_row`), and nothing is pruned."""
         new = min(most, ids.shape[1] - filled)
-        new, slot, window = cache.prepare(mask, filled, new, slice(None) if row_chunk is None else None)
+        new, slot, window = cache.prepare_chunk(mask, filled, new, slice(None) if row_chunk is None else None)
         bind_chunk(binding, self.artifact, ids[:, filled : filled + new], window, slot, cache.device, last_only)
         if row_chunk is None:
             cache.bind(binding)

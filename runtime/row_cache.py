@@ -42,7 +42,7 @@ class RowCache:
         self.scratch = {past: (self._zeros(past, 1), self._zeros(past, 1)) for past, _ in self.shifted}
         self.clock = 0  # the slot the next decode step writes, in every row
         self.running: dict[int, np.ndarray | None] = {}  # decoding rows: pruning's thresholds (None: keep every key)
-        self.begins = np.zeros(rows, dtype=np.int64)  # a running row's first kept slot
+        self.begins = np.zeros(rows, dtype=np.int64)  # a row's first kept slot (placed: its prompt's first)
         self.dropped = np.zeros(rows, dtype=np.int64)  # a running row's oldest positions that pruning dropped
 
     def _zeros(self, name: str, rows: int) -> ort.OrtValue:
@@ -112,6 +112,17 @@ class RowCache:
             states[past] = buffers.to_host(value, self.dtypes[past])[index].copy()
         return slots, states
 
+    def read_chunk(self, row: int, span: tuple[int, int], chunk: int, chunks: int) -> tuple[dict, dict]:
+        """`read_block` of the prompt's tokens [first, last) prefilled into `row` (see `place`)."""
+        begin = int(self.begins[row])
+        return self.read_block(row, begin + span[0], begin + span[1], chunk, chunks)
+
+    def restore(self, row: int, blocks: list[Block]) -> None:
+        """Put a cached prefix of the prompt placed in `row` back in its slots; the prompt's first chunk resumes
+        from the prefix's shift states."""
+        self.write_prefix(row, int(self.begins[row]), blocks)
+        self.resume(blocks[-1].states)
+
     def write_prefix(self, row: int, begin: int, blocks: list[Block]) -> None:
         """Put a cached prefix's blocks back into the row, its first token at slot `begin`; each buffer goes to the
         host and back once, however many blocks (off the CPU, `to_host` copies the whole buffer)."""
@@ -140,22 +151,19 @@ class RowCache:
             with buffers.on_host(self.buffers[past], self.dtypes[past], self.device) as host:
                 buffers.move_slots(host, rows, begin, end, to)
 
-    def join(self, row: int, begin: int, thresholds: np.ndarray | None) -> None:
-        """`row` decodes from now on, its prompt's first token at slot `begin`, pruned by `thresholds`
-        (`[layers, heads]`, see runtime/pruning.py; None: every key kept)."""
-        self.running[row], self.begins[row], self.dropped[row] = thresholds, begin, 0
+    def join(self, row: int, thresholds: np.ndarray | None) -> None:
+        """`row`, its prompt prefilled, decodes from now on, pruned by `thresholds` (`[layers, heads]`, see
+        runtime/pruning.py; None: every key kept)."""
+        self.running[row], self.dropped[row] = thresholds, 0
 
     def leave(self, row: int) -> None:
         self.running.pop(row, None)
 
-    def catch_up(self, slot: int) -> None:
-        """Move the clock on to `slot` (a prompt's chunk wrote up to it while no row decoded)."""
-        self.clock = max(self.clock, slot)
-
-    def place(self, length: int, chunks: int, reserved: int) -> int | None:
-        """Where a prompt of `length` tokens, prefilled in `chunks` runs, ends: the clock once its last chunk is in,
-        one decode step after each. Moves the running rows later when the clock is not far enough on for the prompt
-        to fit before that; None while it and the running rows, each with `reserved` slots more, do not fit."""
+    def place(self, row: int, length: int, chunks: int, reserved: int) -> bool:
+        """Give `row` the slots of a prompt of `length` tokens, prefilled in `chunks` runs: they end at the clock
+        once its last chunk is in, one decode step after each. Moves the running rows later when the clock is not
+        far enough on for the prompt to fit before that; False while it and the running rows, each with `reserved`
+        slots more, do not fit."""
         rows = sorted(self.running)
         if not rows:
             self.clock = 0
@@ -163,15 +171,27 @@ class RowCache:
             self._compact()
         end = max(self.clock + chunks, length)
         lift = end - chunks - self.clock
-        first = min([int(self.begins[row]) + lift for row in rows] + [end - length])
+        first = min([int(self.begins[other]) + lift for other in rows] + [end - length])
         if end - first + reserved > self.length:
-            return None
+            return False
         if lift and rows:
             start = int(self.begins[rows].min())
             self.move(rows, start, self.clock, start + lift)
             self.begins[rows] += lift
         self.clock += lift
-        return end
+        self.begins[row] = end - length
+        return True
+
+    def prepare_chunk(self, row: int, span: tuple[int, int]) -> tuple[int, np.ndarray]:
+        """Before prefilling the prompt's tokens [first, last) into `row` (see `place`): the slot the first is written
+        to, and the chunk's attention mask `[1, slot + last - first]`. A chunk writes slots the clock has passed (a
+        decode step meanwhile writes padding into the row's slot at the clock, which a later chunk overwrites); the
+        clock lags the chunks only while no row decodes, and then catches up here, without a step."""
+        begin, (first, last) = int(self.begins[row]), span
+        self.clock = max(self.clock, begin + last)
+        mask = np.zeros((1, begin + last), dtype=np.int64)
+        mask[:, begin:] = 1
+        return begin + first, mask
 
     def before_step(self) -> list[tuple[int, PruningError]]:
         """Make room for a decode step: at the end of the cache, drop what pruning allows and move the running rows
@@ -192,7 +212,12 @@ class RowCache:
             self.leave(row)
         return failed
 
-    def step_mask(self, count: int) -> np.ndarray:
+    def prepare_step(self, rows: int) -> tuple[int, np.ndarray]:
+        """Before a decode step over rows [0, rows) (after `before_step`): the slot it writes, the clock, and its
+        attention mask."""
+        return self.clock, self._step_mask(rows)
+
+    def _step_mask(self, count: int) -> np.ndarray:
         """A decode step's attention mask over rows [0, count) `[count, clock + 1]`: a running row attends its
         slots from its first kept one, which also counts the positions dropped before it (so that RoPE positions
         count them, as DeviceCache.window_mask does); any other row attends its own slot alone."""

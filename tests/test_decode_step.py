@@ -55,10 +55,15 @@ def test_a_row_cache_step_over_rows_that_come_and_go_equals_session_run(artifact
     step = DecodeStep(artifact, cache, artifact.session.run_with_iobinding)
     pasts, rng = empty_pasts(artifact, max(ROWS)), np.random.default_rng(0)
     for clock, rows in enumerate(ROWS):
+        for row in range(max(ROWS)):  # a request in each stepped row, its window from slot 0 (never placed)
+            if row < rows:
+                cache.join(row, None)
+            else:
+                cache.leave(row)
         ids = rng.integers(0, artifact.vocab_size, (rows, 1))
         mask = np.ones((rows, clock + 1), dtype=np.int64)
         want = reference_step(artifact, pasts, ids, mask, clock)
-        np.testing.assert_allclose(step(ids, clock, mask), want, atol=TOLERANCES["float32"], rtol=0)
+        np.testing.assert_allclose(step(ids), want, atol=TOLERANCES["float32"], rtol=0)
     for row in range(max(ROWS)):  # what the steps left in each row: the slots, and a running row's shift states
         slots, states = cache.read_block(row, 0, cache.length, 0, 1)
         for name, host in {**slots, **(states if row < ROWS[-1] else {})}.items():
@@ -72,11 +77,11 @@ def test_a_device_cache_step_over_a_growing_batch_equals_session_run(artifacts):
     step = DecodeStep(artifact, cache, artifact.session.run_with_iobinding)
     pasts, rng = empty_pasts(artifact, batch), np.random.default_rng(1)
     mask = np.ones((batch, len(ROWS)), dtype=np.int64)
+    cache.decode_after(mask.copy(), 0)
     for filled in range(len(ROWS)):
         ids = rng.integers(0, artifact.vocab_size, (batch, 1))
         want = reference_step(artifact, pasts, ids, mask[:, : filled + 1], filled)
-        _, slot, window = cache.prepare(mask, filled, 1)
-        np.testing.assert_allclose(step(ids, slot, window), want, atol=TOLERANCES["float32"], rtol=0)
+        np.testing.assert_allclose(step(ids), want, atol=TOLERANCES["float32"], rtol=0)
     for name, reference in pasts.items():
         kept = to_host(cache.past[name], cache.dtypes[name])
         kept = kept[:, :, : reference.shape[2]] if name in cache.in_place else kept  # the buffers' filled slots
