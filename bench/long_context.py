@@ -26,7 +26,7 @@ import matplotlib
 import matplotlib.ticker
 import numpy as np
 from report import fmt_spread, publish
-from run import RESULTS, Worker, artifact, interleaved_runs, machine, ratio, summary
+from run import RESULTS, Worker, add_attention_option, artifact, interleaved_runs, machine, ratio, summary
 from tokenizers import Tokenizer
 
 from kvg_export.corpus import read_split, token_stream
@@ -256,10 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         help="the prompts' tokens: held-out text (realistic forget gates) or random ids",
     )  # fmt: skip
     parser.add_argument("--no-peers", dest="peers", action="store_false", help="leave out onnxruntime-genai")
-    parser.add_argument(
-        "--attention", choices=["fused", "gqa"], default="fused",
-        help="how the runtime's artifacts attend (fused: the CPU default; gqa: as before the fused operator)",
-    )  # fmt: skip
+    add_attention_option(parser)
     parser.add_argument(
         "--prune", type=parse_tolerance, default=-10.0, metavar="X|none",
         help="the log pruning tolerance of the runtime's pruned systems (none: leave them out)",

@@ -159,6 +159,14 @@ def _current_library(folder: Path) -> bool:
     return carried.is_file() and filecmp.cmp(carried, build(), shallow=False)
 
 
+def add_attention_option(parser: argparse.ArgumentParser) -> None:
+    """`--attention`, how a benchmark's artifacts attend: the same choice in every benchmark that exports."""
+    parser.add_argument(
+        "--attention", choices=["fused", "gqa"], default="fused",
+        help="how the runtime's artifacts attend (fused: the CPU default; gqa: as before the fused operator)",
+    )  # fmt: skip
+
+
 def artifact(
     model: str, cache: str, length: int | None, attention: str, quantize: str | None = None, prune: float | None = None
 ) -> str:  # fmt: skip

@@ -25,7 +25,7 @@ from contextlib import AsyncExitStack
 
 import numpy as np
 from report import record
-from run import artifact, machine, settle, spread
+from run import add_attention_option, artifact, machine, settle, spread
 from sse_client import Connection
 
 from runtime.artifact import SessionOptions
@@ -161,10 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-batch", type=int, default=16, help="the server's rows (the artifact's max batch)")
     parser.add_argument("--batch", type=int, default=8, help="rows of the Generator's batched calls (0: none)")
     parser.add_argument("--server-flags", default="", help='more kvg-serve flags, e.g. "--max-queue 8"')
-    parser.add_argument(
-        "--attention", choices=["fused", "gqa"], default="fused",
-        help="how the artifacts attend (fused: the CPU default; gqa: as before the fused operator)",
-    )  # fmt: skip
+    add_attention_option(parser)
     args = parser.parse_args(argv)
     threads = os.cpu_count()
     static = artifact(args.model, "static", STATIC_LENGTH, args.attention)

@@ -27,7 +27,7 @@ from contextlib import ExitStack
 
 import numpy as np
 from report import record
-from run import artifact, machine, settle
+from run import add_attention_option, artifact, machine, settle
 from serve_load import server_flags
 from sse_client import Connection
 
@@ -151,10 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix", type=int, default=1024)
     parser.add_argument("--prefix-requests", type=int, default=16)
     parser.add_argument("--prefix-clients", type=int, default=4)
-    parser.add_argument(
-        "--attention", choices=["fused", "gqa"], default="fused",
-        help="how the artifacts attend (fused: the CPU default; gqa: as before the fused operator)",
-    )  # fmt: skip
+    add_attention_option(parser)
     args = parser.parse_args(argv)
     threads = os.cpu_count()
     folder = artifact("fox-small", "static", LENGTH, args.attention)
