@@ -7,6 +7,7 @@ import sys
 
 from runtime.artifact import ArtifactError, SessionOptions, unrunnable
 from runtime.generator import GenerationConfig, Generator
+from runtime.prompt_lookup import PromptLookup
 from runtime.pruning import AS_EXPORTED, describe, parse_tolerance
 from runtime.sampling import SamplingConfig
 
@@ -36,16 +37,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int)
     parser.add_argument("--stream", action="store_true", help="print tokens as they are produced")
     parser.add_argument(
+        "--speculative", choices=["ngram"],
+        help="guess the next tokens by prompt lookup (the latest n tokens found earlier in the text) and verify "
+        "them in one run: the same tokens, sooner where the text repeats itself",
+    )  # fmt: skip
+    parser.add_argument("--draft-tokens", type=int, default=PromptLookup.tokens, help="most guesses a run verifies")
+    parser.add_argument("--lookup-ngram", type=int, default=PromptLookup.ngram, help="longest n-gram looked up")
+    parser.add_argument(
         "--log-pruning-tolerance", type=parse_tolerance, default=argparse.SUPPRESS, metavar="X|none",
         help="drop cached keys whose weight in any later query is provably below e^X (default: as exported)",
     )  # fmt: skip
     return parser.parse_args(argv)
 
 
+def _acceptance(result) -> str:
+    proposed, accepted = result.drafts_proposed, result.drafts_accepted
+    rate = f" ({accepted / proposed:.0%})" if proposed else ""
+    return f"{accepted} of {proposed} drafts accepted{rate}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.repetition_penalty, args.seed)
-    config = GenerationConfig(args.max_new_tokens, args.min_new_tokens, tuple(args.stop), sampling)
+    speculative = PromptLookup(args.draft_tokens, args.lookup_ngram) if args.speculative else None
+    config = GenerationConfig(
+        args.max_new_tokens, args.min_new_tokens, tuple(args.stop), sampling, speculative=speculative
+    )
     try:
         options = SessionOptions(args.provider, args.threads)
         generator = Generator.open(args.artifact, options, getattr(args, "log_pruning_tolerance", AS_EXPORTED))
@@ -82,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"kvg-generate: {sum(map(len, result.tokens))} tokens, first after {first_ms:.1f} ms, "
         f"decode {result.decode_tokens_per_s:.1f} tokens/s"
+        + (f", {_acceptance(result)}" if speculative else "")
         + (f", oldest positions dropped by layer and kv head: {result.pruned_positions}" if generator.pruning else ""),
         file=sys.stderr,
     )

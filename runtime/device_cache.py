@@ -29,6 +29,19 @@ def _field(name: str) -> str:
     return name.rsplit(".", 1)[-1]
 
 
+def window_kind(manifest: dict) -> str:
+    """Where the graph takes window_offsets (exporters/passes/window_offsets.py): each head's own window ("head"),
+    or each layer's in an artifact exported before heads had theirs ("layer"); else one window for all ("one")."""
+    offsets = next((e for e in manifest.get("optional_inputs", []) if e["name"] == WINDOW_OFFSETS), None)
+    return "one" if offsets is None else "head" if len(offsets["axes"]) == 2 else "layer"
+
+
+def runs_keep_head_windows(manifest: dict) -> bool:
+    """Whether a run of several tokens can follow decode steps that pruning has left with staggered heads: so unless
+    the artifact was exported before a chunk could keep each head's own window."""
+    return window_kind(manifest) != "head" or manifest["cache"].get("heads_apart_in_chunks", False)
+
+
 class DeviceCache:
     def __init__(self, artifact: Artifact, batch: int):
         self.artifact, self.batch, self.device = artifact, batch, artifact.device
@@ -50,21 +63,19 @@ class DeviceCache:
             if past in self.in_place:
                 self.layer_buffers[index // fields].append(past)
         self.gate_names = artifact.gate_names()
+        self.shift_names = [past for past, _ in self.pairs if _field(past).endswith("shift")]
         # Each layer's present keys and values that its runs give folded while its heads' windows are staggered
         self.folding = {present: index // fields for index, (past, present) in enumerate(self.pairs)
                         if past in self.in_place and artifact.folds(present)}  # fmt: skip
         limit = artifact.manifest["cache"]["max_cache_len"]
         self.capacity = limit if in_place else None  # the slots a pruned request may fill (None: any number)
         self.thresholds: np.ndarray | None = None  # per layer and head, while a pruned request runs
-        # Where the graph takes window_offsets (exporters/passes/window_offsets.py), each head's own window, or each
-        # layer's in an artifact exported before heads had theirs; else one window for all
-        offsets = next((e for e in artifact.manifest.get("optional_inputs", []) if e["name"] == WINDOW_OFFSETS), None)
-        self.windows = "one" if offsets is None else "head" if len(offsets["axes"]) == 2 else "layer"
+        self.windows = window_kind(artifact.manifest)
         # Whether a prompt's chunk too runs with each head its own window, not only a decode step
         self.chunk_heads_staggered = artifact.manifest["cache"].get("heads_apart_in_chunks", False)
         self.heads = artifact.manifest["model"]["num_kv_heads"]
-        self.offsets = np.zeros(offsets["axes"] if offsets else layers, dtype=np.int64)  # window_offsets: each
-        # window's start past `offset`
+        # window_offsets: each window's start past `offset`
+        self.offsets = np.zeros((layers, self.heads) if self.windows == "head" else layers, dtype=np.int64)
         self.offsets_value = ort.OrtValue.ortvalue_from_numpy(self.offsets)  # bound once, read at every run
         self.reset()
 
@@ -152,44 +163,83 @@ class DeviceCache:
         return (chunk_size(artifact, 1, buffer, most, window=width) if by_row else size), by_row
 
     def decode_after(self, mask: np.ndarray, filled: int) -> None:
-        """Decode steps follow, a token a row each, after the first `filled` positions of `mask` `[batch, >= filled
-        + steps]`; the cache keeps the mask and marks in it where rows end (see `end_row`)."""
-        self.mask, self.filled, self.live = mask, filled, np.ones(self.batch, dtype=bool)
+        """Decode runs follow, after the first `filled` positions of `mask` `[batch, >= every position fed]`, the
+        prompt's last the latest run's; the cache keeps the mask and marks in it where rows end (see `end_row`)."""
+        self.mask, self.live = mask, np.ones(self.batch, dtype=bool)
+        self.run_start, self.filled = filled - 1, filled
+        self.saved_states: dict[str, np.ndarray] = {}  # the shift states a run of several tokens started from
 
-    def end_row(self, row: int) -> None:
-        """`row` generates no more: its later positions are padding, and pruning keeps no slot for it."""
-        self.mask[row, self.filled :] = 0
+    def end_row(self, row: int, index: int = 0) -> None:
+        """`row` generates no more after the token chosen from the latest run's position `index`: the positions from
+        that token's on are padding, and pruning keeps no slot for the row."""
+        self.mask[row, self.run_start + index + 1 :] = 0
         self.live[row] = False
 
     def prepare_step(self, rows: int) -> tuple[int, np.ndarray]:
         """Before a decode step (over every row: `rows` is the batch): the slot it writes and its attention mask,
         pruning first where due (see `make_room`)."""
-        _, slot, window = self.prepare_chunk(self.mask, self.filled, 1, self.live)
-        self.filled += 1
+        _, slot, window = self.prepare_tokens(1)
         return slot, window
 
-    def prepare_chunk(self, mask: np.ndarray, filled: int, new: int, rows=slice(None)) -> tuple[int, int, np.ndarray]:
+    def prepare_tokens(self, count: int) -> tuple[int, int, np.ndarray]:
+        """Before a decode run of up to `count` tokens a row (a token and the drafts after it, see `keep`): how many
+        fit, the slot the first is written to and the run's attention mask, pruning first at the decode's cadence.
+        A run of several keeps the shift states it starts from."""
+        new, slot, window = self.prepare_chunk(self.mask, self.filled, count, self.live, cadence=True)
+        self.run_start, self.filled = self.filled, self.filled + new
+        if new > 1:
+            self.saved_states = {name: buffers.to_host(self.past[name], self.dtypes[name]).copy()
+                                 for name in self.shift_names}  # fmt: skip
+        return new, slot, window
+
+    def keep(self, kept: int) -> bool:
+        """Of the latest run's positions keep the first `kept` (the drafts chosen, and the token before them): the
+        others' gates are cleared, as `reset` leaves slots, and a fed-back cache is cut. A run's shift states are
+        those after its last token, so where the model shifts tokens and some are dropped, the cache goes back to
+        the run's start and its states: returns True then, and the kept tokens must be fed again."""
+        end, self.filled = self.filled, self.run_start + kept
+        if self.filled >= end:
+            return False
+        if self.saved_states:
+            self.filled = self.run_start
+        for layer, past in enumerate(self.gate_names):
+            if past in self.in_place:  # each kv head's slots start at its own dropped position
+                with buffers.on_host(self.past[past], self.dtypes[past], self.device) as host:
+                    group = host.shape[1] // self.heads
+                    for head, dropped in enumerate(self.dropped[layer]):
+                        host[:, head * group : (head + 1) * group, self.filled - dropped : end - dropped] = 0
+        for _, past, _ in self.fed_back:
+            if past not in self.saved_states:
+                host = buffers.to_host(self.past[past], self.dtypes[past])[:, :, : self.filled]
+                self.past[past] = buffers.from_host(np.ascontiguousarray(host), self.dtypes[past], self.device)
+        for past, state in self.saved_states.items():
+            self.past[past] = buffers.from_host(state, self.dtypes[past], self.device)
+        return bool(self.saved_states)
+
+    def prepare_chunk(
+        self, mask: np.ndarray, filled: int, new: int, rows=slice(None), cadence: bool = False
+    ) -> tuple[int, int, np.ndarray]:  # fmt: skip
         """Before a run of up to `new` positions after the first `filled` of `mask` `[batch, >= filled + new]`:
         make room for them (see `make_room`; `rows` None: drop nothing) and grow the buffers to hold them.
         Returns how many of them fit, the slot the first is written to, and the run's attention mask."""
         if rows is not None:
-            new = self.make_room(filled, new, rows)
+            new = self.make_room(filled, new, rows, cadence)
         slot = filled - self.offset
         self.reserve(slot + new)
         return new, slot, self.window_mask(mask, filled + new)
 
-    def make_room(self, filled: int, new: int, rows) -> int:
+    def make_room(self, filled: int, new: int, rows, cadence: bool = False) -> int:
         """Before a run of up to `new` positions after `filled`: drop (when pruning) the slots that `rows` (those
-        still generating) no longer need, at least every PRUNE_EVERY positions, every chunk of a prompt and
-        whenever the new ones would not fit otherwise; each kv head as far as its own query heads allow where
-        the graph takes each head's window (in a prompt's chunk too, where the artifact says so), else each
-        layer or all of them as far as all of theirs do. Returns
-        how many of the `new` positions fit (all, without pruning: `Generator.check_request` saw to that);
-        raises PruningError naming the head that leaves no room for one."""
+        still generating) no longer need, at least every PRUNE_EVERY positions, every chunk of a prompt (unless
+        `cadence`: a decode run's drafts) and whenever the new ones would not fit otherwise; each kv head as far
+        as its own query heads allow where the graph takes each head's window (in a prompt's chunk too, where the
+        artifact says so), else each layer or all of them as far as all of theirs do. Returns how many of the
+        `new` positions fit (all, without pruning: `Generator.check_request` saw to that); raises PruningError
+        naming the head that leaves no room for one."""
         if self.thresholds is None:
             return new
         full = self.capacity is not None and filled - self.offset + new > self.capacity  # the longest rows'
-        if not (full or new > 1 or filled - self.pruned_at >= PRUNE_EVERY):
+        if not (full or (new > 1 and not cadence) or filled - self.pruned_at >= PRUNE_EVERY):
             return new
         self.pruned_at = filled
         slots = filled - self.dropped  # per layer and kv head
@@ -247,8 +297,8 @@ class DeviceCache:
 
     def bind(self, binding: ort.IOBinding, ahead: bool = False) -> None:
         """Bind every past input and present output (after `logits`, which the caller binds first); `ahead`: for the
-        run after the next one, the swapped states' buffers trading roles in between."""
-        self.stale_bindings = False
+        run after the next one, the swapped states' buffers trading roles in between. A run so bound (a chunk) moves
+        the swapped states on, so the decode steps' own bindings are stale after it."""
         if self.windows != "one":
             binding.bind_ortvalue_input(WINDOW_OFFSETS, self.offsets_value)
         for past, present in self.pairs:
@@ -266,6 +316,7 @@ class DeviceCache:
                 binding.bind_ortvalue_output(present, self.past[past])
             else:
                 binding.bind_output(present, self.device)
+        self.stale_bindings = True
 
     def bind_row(self, binding: ort.IOBinding, row: int, chunk: int, chunks: int) -> None:
         """Chunk `chunk` of `chunks` of a prompt prefilled into `row` alone (GroupQueryAttention takes a later
@@ -291,6 +342,7 @@ class DeviceCache:
         if fresh or self.stale_bindings:
             self.bind(following, ahead=True)
             self.bind(binding)
+            self.stale_bindings = False
             return
         for _, past, present in self.fed_back:
             binding.bind_ortvalue_input(past, self.past[past])

@@ -176,6 +176,8 @@ class Engine:
         max_new_tokens of 0 prefills the prompt alone, to score it (see Request.echo)."""
         if config.max_new_tokens == 0 and config.min_new_tokens:
             raise ArtifactError("min_new_tokens must be 0 when max_new_tokens is 0")
+        if config.speculative is not None:
+            raise ArtifactError("the engine decodes a token a step: speculative decoding runs in the Generator so far")
         self.generator.check_request([prompt], replace(config, max_new_tokens=max(config.max_new_tokens, 1)))
         needed = len(prompt) + self._reserved(_feeds(config))
         if self.generator.pruning is not None and needed > self.cache.length:  # else check_request saw to it

@@ -19,7 +19,7 @@ import onnxruntime as ort
 from runtime.artifact import Artifact, ArtifactError, SessionOptions
 from runtime.contract import held_in_place
 from runtime.decode_step import DecodeStep
-from runtime.device_cache import DeviceCache
+from runtime.device_cache import DeviceCache, runs_keep_head_windows
 from runtime.prefill import bind_chunk
 from runtime.pruning import AS_EXPORTED, Pruning, Tolerance
 from runtime.search import GenerationConfig, Search
@@ -51,6 +51,8 @@ class GenerationResult:
     decode_onnxruntime_s: float  # the part of onnxruntime_s spent in decode steps (after the first token)
     wall_s: float
     pruned_positions: list[list[int]]  # per layer and kv head, the oldest positions pruning dropped by the end
+    drafts_proposed: int = 0  # with speculation: the drafts verified (per row: rows verify as many at once)
+    drafts_accepted: int = 0  # and those chosen
     step_logits: list[np.ndarray] = field(default_factory=list, repr=False)  # when asked: [batch, vocab] per step
 
 
@@ -127,6 +129,19 @@ class Generator:
                 "shorten them or re-export with a larger --max-cache-len"
             )
         config.sampling.validate()
+        if config.speculative is not None:
+            config.speculative.validate()
+            if len(prompts) > 1 and self.artifact.attention == "gqa":
+                raise ArtifactError(
+                    "speculative decoding runs a token and its drafts in one run, which GroupQueryAttention takes for "
+                    "one row only: send the prompts one by one, or use an artifact exported with another --attention"
+                )
+            if self.pruning is not None and not runs_keep_head_windows(self.artifact.manifest):
+                raise ArtifactError(
+                    "speculative decoding runs a token and its drafts in one run, which this artifact, exported "
+                    "before a chunk could keep each head's own window, cannot do once pruning has staggered them: "
+                    "re-export it, or turn pruning off (log_pruning_tolerance None)"
+                )
 
     def generate(
         self,
@@ -178,30 +193,40 @@ class Generator:
         self, prompts: list[list[int]], config: GenerationConfig, keep_logits: bool, text_events: bool,
         cache: DeviceCache,
     ):  # fmt: skip
-        """gpt-fast's decode_n_tokens: prefill, then each step choose, emit and feed back one token a row."""
+        """gpt-fast's decode_n_tokens: prefill, then choose and emit a token a row from each position of the latest
+        run's logits while they hold (with speculation, while the drafts fed after them were chosen), and feed
+        the last one chosen, with the next drafts, in one run (`decode_one_token` where there are none)."""
         start = time.perf_counter()
         ids, mask = left_padded(prompts, self.pad, config.max_new_tokens)
         self._start(cache, ids.shape[1], config.max_new_tokens)
-        run = SessionClock(self.artifact.session)
-        logits = self._prefill(self.artifact.session.io_binding(), cache, ids, mask, config.prefill_chunk, run)
+        run, binding = SessionClock(self.artifact.session), self.artifact.session.io_binding()
+        logits = self._prefill(binding, cache, ids, mask, config.prefill_chunk, run)
         prefill_s, first_token_s, step_logits = run.seconds, None, []
         search = Search(config, prompts, self.eos, self.pad)
         texts = [TextStream(self.tokenizer) for _ in prompts] if text_events and self.tokenizer else None
         decode_one_token = DecodeStep(self.artifact, cache, run)
         cache.decode_after(mask, ids.shape[1])
+        fed, outputs = ids[:, -1:], logits[:, None]  # the latest run's tokens, and its logits at each
         while True:
-            if keep_logits:
-                step_logits.append(logits.copy())
-            chosen = search.choose(logits)
-            if first_token_s is None:
-                first_token_s = time.perf_counter() - start
-            for row, token, last in search.record(chosen):
-                yield TokenEvent(row, token, texts[row].push(token, last) if texts else "")
-                if last:
-                    cache.end_row(row)
+            drafts = fed[:, 1 : outputs.shape[1]]
+            for index in range(outputs.shape[1]):
+                if keep_logits:
+                    step_logits.append(outputs[:, index].copy())
+                chosen = search.choose(outputs[:, index])
+                first_token_s = time.perf_counter() - start if first_token_s is None else first_token_s
+                for row, token, last in search.record(chosen):
+                    yield TokenEvent(row, token, texts[row].push(token, last) if texts else "")
+                    if last:
+                        cache.end_row(row, index)
+                if not search.accepts(chosen, drafts, index):
+                    break
+            if cache.keep(index + 1):  # the shift states went past the tokens kept: feed those again
+                self._decode_run(binding, cache, fed[:, : index + 1], run)
             if search.done:
                 break
-            logits = decode_one_token(chosen[:, None])
+            drafts = search.drafts()
+            fed = np.concatenate([chosen[:, None], drafts], axis=1) if drafts.shape[1] else chosen[:, None]
+            outputs = self._decode_run(binding, cache, fed, run) if drafts.shape[1] else decode_one_token(fed)[:, None]
         return self._result(search, cache, run, time.perf_counter() - start, first_token_s, prefill_s, step_logits)
 
     def _result(
@@ -221,6 +246,8 @@ class Generator:
             decode_onnxruntime_s=run.seconds - prefill_s,
             wall_s=wall,
             pruned_positions=cache.dropped.tolist(),
+            drafts_proposed=search.proposed,
+            drafts_accepted=search.accepted,
             step_logits=step_logits,
         )
 
@@ -280,7 +307,25 @@ class Generator:
         `DeviceCache.bind_row`), and nothing is pruned."""
         new = min(most, ids.shape[1] - filled)
         new, slot, window = cache.prepare_chunk(mask, filled, new, slice(None) if row_chunk is None else None)
-        bind_chunk(binding, self.artifact, ids[:, filled : filled + new], window, slot, cache.device, last_only)
+        logits = self._run_chunk(binding, cache, ids[:, filled : filled + new], slot, window, run, last_only, row_chunk)
+        return logits, filled + new
+
+    def _decode_run(
+        self, binding: ort.IOBinding, cache: DeviceCache, tokens: np.ndarray, run: Callable[[ort.IOBinding], None]
+    ) -> np.ndarray:  # fmt: skip
+        """Feed `tokens` `[batch, n]` after those decoded, in one run (a token and the drafts after it, or tokens
+        kept and fed again); the logits at each position fed `[batch, new, vocab]`, fewer than n where a pruned
+        cache has room for fewer."""
+        new, slot, window = cache.prepare_tokens(tokens.shape[1])
+        return self._run_chunk(binding, cache, tokens[:, :new], slot, window, run).numpy()
+
+    def _run_chunk(
+        self, binding: ort.IOBinding, cache: DeviceCache, ids: np.ndarray, slot: int, window: np.ndarray,
+        run: Callable[[ort.IOBinding], None], last_only: bool = False, row_chunk: tuple[int, int, int] | None = None,
+    ) -> ort.OrtValue:  # fmt: skip
+        """Run `ids` `[batch, new]` from `slot`, attending `window`, on the whole cache or (`row_chunk`) one row's part
+        of it; its logits where onnxruntime left them."""
+        bind_chunk(binding, self.artifact, ids, window, slot, cache.device, last_only)
         if row_chunk is None:
             cache.bind(binding)
         else:
@@ -289,7 +334,7 @@ class Generator:
         outputs = binding.get_outputs()
         if row_chunk is None:
             cache.advance(outputs)
-        return outputs[0], filled + new
+        return outputs[0]
 
 
 class SessionClock:

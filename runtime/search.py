@@ -2,7 +2,8 @@
 
 The Generator runs one Search over its batch and the engine one per request, so sampling, the repetition
 penalty's context, the stop tokens banned before min_new_tokens and the end test are written once. Rows advance
-together: every running row takes one token a step, and a row that has ended is given padding.
+together: every running row takes one token a step, and a row that has ended is given padding. With speculation,
+the search also keeps each row's guesser, proposes the tokens a run verifies, and judges them as it chooses.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from runtime.prompt_lookup import PromptLookup
 from runtime.sampling import Sampler, SamplingConfig
 
 
@@ -22,6 +24,7 @@ class GenerationConfig:
     stop_tokens: tuple[int, ...] = ()  # besides the model's eos ids
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     prefill_chunk: int = 256  # prompts are prefilled in chunks of at most this many tokens (see prefill.chunk_size)
+    speculative: PromptLookup | None = None  # how to guess the tokens a run verifies at once (None: one a run)
 
 
 class Search:
@@ -37,6 +40,10 @@ class Search:
         self.ended = np.zeros(len(prompts), dtype=bool)
         self.finished = 0  # how many rows have ended: a count each step tests more cheaply than `ended`
         self.steps = 0  # tokens chosen so far, per running row
+        speculative = config.speculative
+        self.guessers = None if speculative is None else [speculative.start(prompt) for prompt in prompts]
+        self.no_drafts = np.zeros((len(prompts), 0), dtype=np.int64)
+        self.proposed = self.accepted = 0  # drafts verified, and those the search then chose
 
     @property
     def banned(self) -> np.ndarray | None:
@@ -56,11 +63,15 @@ class Search:
         """Take each running row's `chosen` token; returns (row, token, last) for each, `last` when the row ends
         with it (a stop token once min_new_tokens are out, or max_new_tokens)."""
         self.steps += 1
+        if self.guessers is not None:
+            self.took = ~self.ended  # the rows that take a token now, for `accepts`
         taken = []
         for row, token in enumerate(chosen.tolist()):
             if self.reasons[row] is not None:
                 continue
             self.tokens[row].append(token)
+            if self.guessers is not None:
+                self.guessers[row].push(token)
             if self.context is not None:
                 self.context[row] = np.append(self.context[row], token)
             if token in self.stop_ids and self.steps >= self.config.min_new_tokens:
@@ -69,6 +80,33 @@ class Search:
                 self.end(row, "length")
             taken.append((row, token, self.reasons[row] is not None))
         return taken
+
+    def drafts(self) -> np.ndarray:
+        """The tokens to verify after each row's latest `[rows, d]`: as many as every running row's guesser has (and
+        no more than max_new_tokens leaves room to choose), padding for a row that has ended."""
+        most = self.config.max_new_tokens - self.steps - 1  # a run of d drafts chooses up to d + 1 tokens
+        if self.guessers is None or most < 1:
+            return self.no_drafts
+        guesses = [
+            None if ended else guesser.propose(most) for guesser, ended in zip(self.guessers, self.ended, strict=True)
+        ]
+        count = min(len(guess) for guess in guesses if guess is not None)
+        drafts = np.full((len(guesses), count), self.pad, dtype=np.int64)
+        for row, guess in enumerate(guesses):
+            if guess is not None:
+                drafts[row] = guess[:count]
+        self.proposed += count
+        return drafts
+
+    def accepts(self, chosen: np.ndarray, drafts: np.ndarray, index: int) -> bool:
+        """Whether the tokens just `chosen` are the drafts at `index` in every row that took one, and a row still runs:
+        then the logits after those drafts hold. So speculation chooses the very tokens that one token a run would
+        (a sampled choice too: a draft is kept with the probability the target gives it, the rule for a guess that
+        is one token for certain)."""
+        if index >= drafts.shape[1] or not (chosen[self.took] == drafts[self.took, index]).all():
+            return False
+        self.accepted += 1
+        return not self.done
 
     def end(self, row: int, reason: str) -> None:
         self.ended[row], self.reasons[row] = True, reason

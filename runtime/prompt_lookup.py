@@ -1,0 +1,60 @@
+"""Prompt lookup: guess the tokens that come next by finding the text's latest n tokens earlier in it.
+
+What users decode (code, structured text, documents they quote from) repeats itself, so the tokens that followed
+an earlier occurrence of the last few are often the ones that follow now. The guesses cost no model run; the
+decode loop verifies them all in one (see `Generator._decode`). transformers' `prompt_lookup_num_tokens` and
+`max_matching_ngram_size` are `tokens` and `ngram` here; where transformers takes the earliest occurrence, this
+takes the latest, the nearest repetition being the likeliest to go on the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PromptLookup:
+    """How to guess: up to `tokens` tokens a run, after the longest match of up to `ngram` final tokens."""
+
+    tokens: int = 8
+    ngram: int = 2
+
+    def validate(self) -> None:
+        if self.tokens < 1 or self.ngram < 1:
+            raise ValueError(
+                f"prompt lookup needs tokens (--draft-tokens) >= 1 and ngram (--lookup-ngram) >= 1, got {self.tokens} "
+                f"and {self.ngram}"
+            )
+
+    def start(self, prompt: list[int]) -> Lookup:
+        """The guesser of one row, which has read `prompt`."""
+        lookup = Lookup(self)
+        for token in prompt:
+            lookup.push(token)
+        return lookup
+
+
+class Lookup:
+    """One row's text and, for each n-gram of up to `ngram` tokens, where its latest occurrence before the text's
+    end was followed from: guessing and reading a token cost O(ngram), however long the text."""
+
+    def __init__(self, settings: PromptLookup):
+        self.settings = settings
+        self.text: list[int] = []
+        self.followed: dict[tuple[int, ...], int] = {}  # n-gram -> the index after its latest earlier occurrence
+
+    def push(self, token: int) -> None:
+        """Read the next token: the n-grams that ended the text until now are earlier occurrences from now on."""
+        end = len(self.text)
+        for n in range(1, min(self.settings.ngram, end) + 1):
+            self.followed[tuple(self.text[end - n :])] = end
+        self.text.append(token)
+
+    def propose(self, most: int) -> list[int]:
+        """Up to `most` (and `tokens`) guesses: what followed the latest earlier occurrence of the longest final
+        n-gram that occurred before; none when no final token did."""
+        for n in range(min(self.settings.ngram, len(self.text)), 0, -1):
+            start = self.followed.get(tuple(self.text[-n:]))
+            if start is not None:
+                return self.text[start : start + min(most, self.settings.tokens)]
+        return []

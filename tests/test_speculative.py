@@ -1,0 +1,135 @@
+"""Speculative decoding in the Generator: a run verifies a token and the drafts after it, and the tokens chosen are
+plain decoding's, token for token, with its logits at each, on every cache the Generator holds (in place, fed
+back, with FoX-Pro's shift states) and for drafts always right, always wrong or mixed, rows ending among them;
+prompt lookup proposes what a naive search of the text finds; kvg-generate says how many drafts it kept."""
+
+import numpy as np
+import pytest
+from scripted_drafts import DRAFTS, Scripted
+from test_chunked_prefill import assert_float32_close
+
+from runtime import cli
+from runtime.artifact import ArtifactError, SessionOptions
+from runtime.engine import Engine
+from runtime.generator import GenerationConfig, Generator
+from runtime.prompt_lookup import PromptLookup
+from runtime.sampling import SamplingConfig
+
+CPU = SessionOptions(provider="cpu")
+NEW = 40
+# (preset, cache, attention): keys, values and gates held in place (static; fused and gqa dynamic) or fed back
+# (standard dynamic), and FoX-Pro's shift states swapped between two buffers or fed back
+KINDS = [
+    ("fox-pro-tiny", "static", "auto"),
+    ("fox-pro-tiny", "dynamic", "auto"),
+    ("fox-pro-tiny", "dynamic", "standard"),
+    ("fox-tiny", "dynamic", "standard"),
+    ("fox-tiny", "dynamic", "gqa"),
+    ("fox-gqa-tiny", "dynamic", "auto"),
+]
+RIGHT = {
+    "always right": lambda row, position: True,
+    "always wrong": lambda row, position: False,
+    "mixed": lambda row, position: (3 * position + row) % 5 < 3,
+}
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    """Two rows of different lengths: the shorter is left-padded."""
+    rng = np.random.default_rng(7)
+    return [rng.integers(3, vocab, 13).tolist(), rng.integers(3, vocab, 9).tolist()]
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=["-".join(kind) for kind in KINDS])
+@pytest.mark.parametrize("right", RIGHT, ids=list(RIGHT))
+def test_drafts_verified_in_one_run_choose_plain_decodings_tokens(exported, kind, right):
+    """Row 0 stops at a token it meets early (a stop token), so it ends inside a run of drafts that row 1 goes on
+    with (GroupQueryAttention runs several tokens for one row only: a gqa artifact decodes row 1 alone); the logits
+    each token was chosen from are plain decoding's too."""
+    preset, cache, attention = kind
+    generator = Generator.open(exported(preset, cache, attention=attention)[0].path, CPU, None)
+    rows = prompts(generator.artifact.vocab_size)[1:] if attention == "gqa" else prompts(generator.artifact.vocab_size)
+    unstopped = generator.generate(rows, GenerationConfig(max_new_tokens=NEW, min_new_tokens=NEW)).tokens
+    stop = unstopped[0][NEW // 3]
+    config = GenerationConfig(max_new_tokens=NEW, stop_tokens=(stop,))
+    plain = generator.generate(rows, config, keep_logits=True)
+    assert len(plain.tokens[0]) < NEW and (len(rows) == 1 or len(plain.tokens[1]) == NEW)  # row 1 did not stop
+    drafts = Scripted.of(rows, plain.tokens, RIGHT[right], generator.artifact.vocab_size)
+    spoken = generator.generate(rows, GenerationConfig(NEW, stop_tokens=(stop,), speculative=drafts), keep_logits=True)
+    assert spoken.tokens == plain.tokens and spoken.finish_reasons == plain.finish_reasons
+    assert len(spoken.step_logits) == len(plain.step_logits)
+    for got, want in zip(spoken.step_logits, plain.step_logits, strict=True):
+        assert_float32_close(got[-1], want[-1])  # the last row runs throughout; row 0's logits after it stopped do not
+    assert spoken.drafts_proposed > 0
+    if right == "always right":  # but those after the stop of a run's last running row, which no one judges
+        assert spoken.drafts_proposed - DRAFTS < spoken.drafts_accepted <= spoken.drafts_proposed
+    elif right == "always wrong":
+        assert spoken.drafts_accepted == 0
+    else:
+        assert 0 < spoken.drafts_accepted < spoken.drafts_proposed
+
+
+def test_sampled_drafts_choose_the_tokens_a_seeded_plain_run_samples(exported):
+    """A draft that is one token for certain is kept when the sample is that token, with the probability the target
+    gives it, and the sample is the token chosen otherwise: so each token chosen takes one draw, as in plain
+    decoding, and a seeded run repeats plain decoding's tokens."""
+    generator = Generator.open(exported("fox-pro-tiny", "dynamic")[0].path, CPU, None)
+    rows = prompts(generator.artifact.vocab_size)
+    sampling = SamplingConfig(temperature=1.0, top_k=50, seed=11)
+    plain = generator.generate(rows, GenerationConfig(NEW, NEW, sampling=sampling))
+    drafts = Scripted.of(rows, plain.tokens, RIGHT["mixed"], generator.artifact.vocab_size)
+    spoken = generator.generate(rows, GenerationConfig(NEW, NEW, sampling=sampling, speculative=drafts))
+    assert spoken.tokens == plain.tokens and 0 < spoken.drafts_accepted < spoken.drafts_proposed
+
+
+def naive_proposal(text: list[int], tokens: int, ngram: int) -> list[int]:
+    """What followed the latest earlier occurrence of the longest final n-gram (n <= ngram) that occurred before."""
+    for n in range(min(ngram, len(text)), 0, -1):
+        ends = [end for end in range(n, len(text)) if text[end - n : end] == text[-n:]]
+        if ends:
+            return text[ends[-1] : ends[-1] + tokens]
+    return []
+
+
+@pytest.mark.parametrize("ngram", [1, 2, 3])
+def test_prompt_lookup_proposes_what_followed_the_latest_earlier_occurrence(ngram):
+    rng = np.random.default_rng(ngram)
+    text = rng.integers(0, 4, 300).tolist()  # a small vocabulary: n-grams recur at every length
+    lookup = PromptLookup(tokens=6, ngram=ngram).start(text[:1])
+    proposed = []
+    for length in range(2, len(text) + 1):
+        lookup.push(text[length - 1])
+        most = 1 + length % 7  # sometimes fewer than `tokens`
+        assert lookup.propose(most) == naive_proposal(text[:length], min(most, 6), ngram), length
+        proposed.append(len(lookup.propose(most)))
+    assert min(proposed) < max(proposed) == 6
+
+
+def test_prompt_lookup_finds_repeated_text_and_kvg_generate_says_how_many_drafts_it_kept(exported, capsys):
+    """fox-py continuing code it has seen in the prompt: the same text as without speculation."""
+    artifact = str(exported("fox-py", "dynamic")[0].path)
+    prompt = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n"
+    common = [artifact, "--prompt", prompt, "--max-new-tokens", "24", "--provider", "cpu"]
+    assert cli.main(common) == 0
+    plain = capsys.readouterr().out
+    assert cli.main([*common, "--speculative", "ngram", "--draft-tokens", "4"]) == 0
+    out, err = capsys.readouterr()
+    assert out == plain
+    accepted, proposed = (int(n) for n in err.split(" drafts accepted")[0].split(", ")[-1].split(" of "))
+    assert 0 < accepted <= proposed
+
+
+def test_bad_speculation_settings_are_refused_naming_them(exported, capsys):
+    artifact = str(exported("fox-tiny", "dynamic")[0].path)
+    assert cli.main([artifact, "--ids", "5,6,7", "--speculative", "ngram", "--draft-tokens", "0"]) == 2
+    assert "--draft-tokens" in capsys.readouterr().err
+    gqa = Generator.open(exported("fox-tiny", "dynamic", attention="gqa")[0].path, CPU)
+    with pytest.raises(ArtifactError, match="GroupQueryAttention takes for one row only"):
+        gqa.generate([[5, 6], [7, 8]], GenerationConfig(speculative=PromptLookup()))
+    static = Generator.open(exported("fox-tiny", "static")[0].path, CPU)
+    engine = Engine(static, max_batch=1)
+    try:
+        with pytest.raises(ArtifactError, match="speculative decoding runs in the Generator"):
+            engine.check([5, 6, 7], GenerationConfig(speculative=PromptLookup()))
+    finally:
+        engine.close()
