@@ -168,11 +168,13 @@ class DeviceCache:
         self.mask, self.live = mask, np.ones(self.batch, dtype=bool)
         self.run_start, self.filled = filled - 1, filled
         self.saved_states: dict[str, np.ndarray] = {}  # the shift states a run of several tokens started from
+        self.again = 0  # tokens kept that the next run feeds again first (see `keep`)
+        self.lead = 0  # such tokens at the start of the latest run
 
     def end_row(self, row: int, index: int = 0) -> None:
-        """`row` generates no more after the token chosen from the latest run's position `index`: the positions from
-        that token's on are padding, and pruning keeps no slot for the row."""
-        self.mask[row, self.run_start + index + 1 :] = 0
+        """`row` generates no more after the token chosen from the latest run's position `index` (after those it fed
+        again): the positions from that token's on are padding, and pruning keeps no slot for the row."""
+        self.mask[row, self.run_start + self.lead + index + 1 :] = 0
         self.live[row] = False
 
     def prepare_step(self, rows: int) -> tuple[int, np.ndarray]:
@@ -186,22 +188,22 @@ class DeviceCache:
         fit, the slot the first is written to and the run's attention mask, pruning first at the decode's cadence.
         A run of several keeps the shift states it starts from."""
         new, slot, window = self.prepare_chunk(self.mask, self.filled, count, self.live, cadence=True)
-        self.run_start, self.filled = self.filled, self.filled + new
-        if new > 1:
-            self.saved_states = {name: buffers.to_host(self.past[name], self.dtypes[name]).copy()
-                                 for name in self.shift_names}  # fmt: skip
+        self.run_start, self.filled, self.lead, self.again = self.filled, self.filled + new, self.again, 0
+        self.saved_states = {name: buffers.to_host(self.past[name], self.dtypes[name]).copy()
+                             for name in self.shift_names} if new > 1 else {}  # fmt: skip
         return new, slot, window
 
-    def keep(self, kept: int) -> bool:
-        """Of the latest run's positions keep the first `kept` (the drafts chosen, and the token before them): the
-        others' gates are cleared, as `reset` leaves slots, and a fed-back cache is cut. A run's shift states are
-        those after its last token, so where the model shifts tokens and some are dropped, the cache goes back to
-        the run's start and its states: returns True then, and the kept tokens must be fed again."""
-        end, self.filled = self.filled, self.run_start + kept
+    def keep(self, kept: int) -> int:
+        """Of the latest run's positions after those it fed again keep the first `kept` (the drafts chosen, and the
+        token before them): the others' gates are cleared, as `reset` leaves slots, and a fed-back cache is cut. A
+        run's shift states are those after its last token, so where the model shifts tokens and some are dropped,
+        the cache goes back to the run's start and its states, and the next run must feed the run's first tokens
+        again, up to those kept: returns how many (else 0)."""
+        end, self.filled = self.filled, self.run_start + self.lead + kept
         if self.filled >= end:
-            return False
+            return 0
         if self.saved_states:
-            self.filled = self.run_start
+            self.filled, self.again = self.run_start, self.lead + kept
         for layer, past in enumerate(self.gate_names):
             if past in self.in_place:  # each kv head's slots start at its own dropped position
                 with buffers.on_host(self.past[past], self.dtypes[past], self.device) as host:
@@ -214,7 +216,7 @@ class DeviceCache:
                 self.past[past] = buffers.from_host(np.ascontiguousarray(host), self.dtypes[past], self.device)
         for past, state in self.saved_states.items():
             self.past[past] = buffers.from_host(state, self.dtypes[past], self.device)
-        return bool(self.saved_states)
+        return self.again
 
     def prepare_chunk(
         self, mask: np.ndarray, filled: int, new: int, rows=slice(None), cadence: bool = False

@@ -193,9 +193,8 @@ class Generator:
         self, prompts: list[list[int]], config: GenerationConfig, keep_logits: bool, text_events: bool,
         cache: DeviceCache,
     ):  # fmt: skip
-        """gpt-fast's decode_n_tokens: prefill, then choose and emit a token a row from each position of the latest
-        run's logits while they hold (with speculation, while the drafts fed after them were chosen), and feed
-        the last one chosen, with the next drafts, in one run (`decode_one_token` where there are none)."""
+        """gpt-fast's decode_n_tokens: prefill; choose and emit a token a row from each position of the latest run while
+        the drafts fed before it were chosen; feed the last chosen with the next drafts (`decode_one_token`: none)."""
         start = time.perf_counter()
         ids, mask = left_padded(prompts, self.pad, config.max_new_tokens)
         self._start(cache, ids.shape[1], config.max_new_tokens)
@@ -205,10 +204,9 @@ class Generator:
         search = Search(config, prompts, self.eos, self.pad)
         texts = [TextStream(self.tokenizer) for _ in prompts] if text_events and self.tokenizer else None
         decode_one_token = DecodeStep(self.artifact, cache, run)
-        cache.decode_after(mask, ids.shape[1])
-        fed, outputs = ids[:, -1:], logits[:, None]  # the latest run's tokens, and its logits at each
-        while True:
-            drafts = fed[:, 1 : outputs.shape[1]]
+        fed, lead, outputs = ids[:, -1:], 0, logits[:, None]  # the latest run's tokens (`lead` of them fed again)
+        while True:  # and its logits at each position after those
+            drafts = fed[:, lead + 1 : lead + outputs.shape[1]]
             for index in range(outputs.shape[1]):
                 if keep_logits:
                     step_logits.append(outputs[:, index].copy())
@@ -220,13 +218,15 @@ class Generator:
                         cache.end_row(row, index)
                 if not search.accepts(chosen, drafts, index):
                     break
-            if cache.keep(index + 1):  # the shift states went past the tokens kept: feed those again
-                self._decode_run(binding, cache, fed[:, : index + 1], run)
+            lead = cache.keep(index + 1)  # where the model shifts tokens, the next run feeds those kept again
             if search.done:
                 break
             drafts = search.drafts()
-            fed = np.concatenate([chosen[:, None], drafts], axis=1) if drafts.shape[1] else chosen[:, None]
-            outputs = self._decode_run(binding, cache, fed, run) if drafts.shape[1] else decode_one_token(fed)[:, None]
+            if lead or drafts.size:  # one run: the tokens fed again, the latest chosen and the drafts after it
+                fed = np.concatenate([fed[:, :lead], chosen[:, None], drafts], axis=1)
+                outputs = self._decode_run(binding, cache, fed, run)[:, lead:]
+            else:
+                fed, outputs = chosen[:, None], decode_one_token(chosen[:, None])[:, None]
         return self._result(search, cache, run, time.perf_counter() - start, first_token_s, prefill_s, step_logits)
 
     def _result(
@@ -278,7 +278,7 @@ class Generator:
         """Feed the prompts `ids` `[batch, width]` (`mask` covers at least `width`) in chunks of at most
         `prefill_chunk` tokens, or row by row (see `DeviceCache.prefill_chunks`), so that a run's attention terms
         and logits never grow with the prompt; returns the logits of every position `[batch, width, vocab]`, or of
-        the last `[batch, vocab]`."""
+        the last `[batch, vocab]`. Decode runs may follow (`DeviceCache.decode_after`)."""
         batch, width = ids.shape
         step, by_row = cache.prefill_chunks(width, prefill_chunk)
         rows = [slice(row, row + 1) for row in range(batch)] if by_row else [slice(0, batch)]
@@ -294,6 +294,7 @@ class Generator:
                     pieces.append(out.numpy())
                 index += 1
             logits.append(np.concatenate(pieces, axis=1) if every_position else pieces[-1][:, -1])
+        cache.decode_after(mask, width)
         return np.concatenate(logits, axis=0)
 
     def _feed(
@@ -313,9 +314,9 @@ class Generator:
     def _decode_run(
         self, binding: ort.IOBinding, cache: DeviceCache, tokens: np.ndarray, run: Callable[[ort.IOBinding], None]
     ) -> np.ndarray:  # fmt: skip
-        """Feed `tokens` `[batch, n]` after those decoded, in one run (a token and the drafts after it, or tokens
-        kept and fed again); the logits at each position fed `[batch, new, vocab]`, fewer than n where a pruned
-        cache has room for fewer."""
+        """Feed `tokens` `[batch, n]` after those decoded, in one run (tokens kept and fed again, a token and the drafts
+        after it); the logits at each position fed `[batch, new, vocab]`, fewer than n where a pruned cache has room
+        for fewer (never for fewer than the tokens fed again and one: they had room before)."""
         new, slot, window = cache.prepare_tokens(tokens.shape[1])
         return self._run_chunk(binding, cache, tokens[:, :new], slot, window, run).numpy()
 
