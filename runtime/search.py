@@ -44,6 +44,9 @@ class Search:
         self.guessers = None if speculative is None else [speculative.start(prompt) for prompt in prompts]
         self.no_drafts = np.zeros((len(prompts), 0), dtype=np.int64)
         self.proposed = self.accepted = 0  # drafts verified, and those the search then chose
+        # The most drafts the next run verifies: where few are chosen, a long run costs more than the tokens it
+        # yields, so the count adapts as transformers' assisted decoding's does (+2 after a run chosen whole, else -1)
+        self.budget = 0 if speculative is None else speculative.tokens
 
     @property
     def banned(self) -> np.ndarray | None:
@@ -82,9 +85,9 @@ class Search:
         return taken
 
     def drafts(self) -> np.ndarray:
-        """The tokens to verify after each row's latest `[rows, d]`: as many as every running row's guesser has (and
-        no more than max_new_tokens leaves room to choose), padding for a row that has ended."""
-        most = self.config.max_new_tokens - self.steps - 1  # a run of d drafts chooses up to d + 1 tokens
+        """The tokens to verify after each row's latest `[rows, d]`: as many as every running row's guesser has, within
+        the budget and the room max_new_tokens leaves to choose; padding for a row that has ended."""
+        most = min(self.budget, self.config.max_new_tokens - self.steps - 1)  # d drafts choose up to d + 1 tokens
         if self.guessers is None or most < 1:
             return self.no_drafts
         guesses = [
@@ -103,7 +106,12 @@ class Search:
         then the logits after those drafts hold. So speculation chooses the very tokens that one token a run would
         (a sampled choice too: a draft is kept with the probability the target gives it, the rule for a guess that
         is one token for certain)."""
-        if index >= drafts.shape[1] or not (chosen[self.took] == drafts[self.took, index]).all():
+        if index >= drafts.shape[1]:
+            if index:  # the run's drafts were all chosen
+                self.budget = min(self.budget + 2, self.config.speculative.tokens)
+            return False
+        if not (chosen[self.took] == drafts[self.took, index]).all():
+            self.budget = max(self.budget - 1, 1)
             return False
         self.accepted += 1
         return not self.done

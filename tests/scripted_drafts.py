@@ -18,6 +18,7 @@ class Scripted:
     truth: tuple[tuple[int, ...], ...]
     right: Callable[[int, int], bool]
     vocab: int
+    tokens: int = DRAFTS  # the most a run verifies, as PromptLookup.tokens
 
     @classmethod
     def of(cls, prompts: list[list[int]], truth: list[list[int]], right: Callable[[int, int], bool], vocab: int):
@@ -39,5 +40,5 @@ class Script:
 
     def propose(self, most: int) -> list[int]:
         truth, right = self.scripted.truth[self.row], self.scripted.right
-        positions = range(self.chosen, min(self.chosen + min(most, DRAFTS), len(truth)))
+        positions = range(self.chosen, min(self.chosen + min(most, self.scripted.tokens), len(truth)))
         return [truth[p] if right(self.row, p) else (truth[p] + 1) % self.scripted.vocab for p in positions]

@@ -67,3 +67,38 @@ def test_seeded_sampling_repeats_and_draws_from_the_kept_tokens():
         runs.append(search.tokens[0])
     assert runs[0] == runs[1] and len(runs[0]) == 50
     assert set(runs[0]) == {1, 4}  # top-2 keeps the two likeliest; 50 draws at 4:3 odds see both
+
+
+class Fours:
+    """A guesser that guesses 4 for as many tokens as it is asked."""
+
+    tokens = 5
+
+    def validate(self) -> None:
+        pass
+
+    def start(self, prompt: list[int]) -> "Fours":
+        return self
+
+    def push(self, token: int) -> None:
+        pass
+
+    def propose(self, most: int) -> list[int]:
+        return [4] * most
+
+
+def test_the_drafts_a_run_verifies_shrink_by_one_after_a_miss_and_grow_by_two_after_a_run_chosen_whole():
+    """Each run: choose after the latest token, then after each draft while the one before was chosen; the logits
+    favour 1 (a miss at once) or 4 (every draft chosen)."""
+    search = Search(GenerationConfig(max_new_tokens=100, speculative=Fours()), [[4, 4]], eos=[EOS], pad=PAD)
+    counts = []
+    for favoured in [1, 1, 1, 1, 1, 1, 4, 4, 1]:
+        drafts = search.drafts()
+        counts.append(drafts.shape[1])
+        for index in range(drafts.shape[1] + 1):
+            chosen = search.choose(logits_favouring(favoured))
+            search.record(chosen)
+            if not search.accepts(chosen, drafts, index):
+                break
+    assert counts == [5, 4, 3, 2, 1, 1, 1, 3, 5]
+    assert search.proposed == sum(counts) and search.accepted == 1 + 3
