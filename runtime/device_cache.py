@@ -167,7 +167,7 @@ class DeviceCache:
         prompt's last the latest run's; the cache keeps the mask and marks in it where rows end (see `end_row`)."""
         self.mask, self.live = mask, np.ones(self.batch, dtype=bool)
         self.run_start, self.filled = filled - 1, filled
-        self.saved_states: dict[str, np.ndarray] = {}  # the shift states a run of several tokens started from
+        self.saved_states: dict[str, ort.OrtValue] = {}  # the shift states a run of several tokens read
         self.again = 0  # tokens kept that the next run feeds again first (see `keep`)
         self.lead = 0  # such tokens at the start of the latest run
 
@@ -186,11 +186,11 @@ class DeviceCache:
     def prepare_tokens(self, count: int) -> tuple[int, int, np.ndarray]:
         """Before a decode run of up to `count` tokens a row (a token and the drafts after it, see `keep`): how many
         fit, the slot the first is written to and the run's attention mask, pruning first at the decode's cadence.
-        A run of several keeps the shift states it starts from."""
+        A run of several keeps the shift states it reads: it writes its own into other buffers (a swapped state's
+        spare, a fed-back state's new present), so those it read stay as they were, to go back to (see `keep`)."""
         new, slot, window = self.prepare_chunk(self.mask, self.filled, count, self.live, cadence=True)
         self.run_start, self.filled, self.lead, self.again = self.filled, self.filled + new, self.again, 0
-        self.saved_states = {name: buffers.to_host(self.past[name], self.dtypes[name]).copy()
-                             for name in self.shift_names} if new > 1 else {}  # fmt: skip
+        self.saved_states = {name: self.past[name] for name in self.shift_names} if new > 1 else {}
         return new, slot, window
 
     def keep(self, kept: int) -> int:
@@ -215,7 +215,9 @@ class DeviceCache:
                 host = buffers.to_host(self.past[past], self.dtypes[past])[:, :, : self.filled]
                 self.past[past] = buffers.from_host(np.ascontiguousarray(host), self.dtypes[past], self.device)
         for past, state in self.saved_states.items():
-            self.past[past] = buffers.from_host(state, self.dtypes[past], self.device)
+            if past in self.swapped:  # the run wrote the spare, which `advance` made current: they trade back
+                self.spare[past] = self.past[past]
+            self.past[past] = state
         return self.again
 
     def prepare_chunk(
