@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import torch
 
-from exporters.validate import TOLERANCES
 from kvg_export import DynamicCache
 from kvg_export.presets import load_model
 from runtime.artifact import Artifact, SessionOptions
@@ -15,6 +14,9 @@ from runtime.row_cache import RowCache
 
 CPU = SessionOptions(provider="cpu")
 PAD = 0
+# Against eager PyTorch: the worst measured is 7.2e-7 (a cached value) and 3.3e-7 (a logit), a few units in the
+# last place of values up to about 3; a wrong slot, mask or state is off by orders more
+TOLERANCE = 5e-6
 EAGER_FIELDS = {"key": "keys", "value": "values", "gate": "gates"}  # the cache layers' names; shift states alike
 
 
@@ -113,14 +115,14 @@ def test_rows_that_join_prefill_between_steps_and_move_get_the_logits_of_eager_a
         positions = [position for position, _ in got[row]]
         assert positions == list(range(len(prompt) + (3 if row == 1 else 5)))
         worst = max(float(np.abs(logits - want[position]).max()) for position, logits in got[row])
-        assert worst < TOLERANCES["float32"], f"row {row}: {worst}"
+        assert worst < TOLERANCE, f"row {row}: {worst}"
     eager = DynamicCache()
     with torch.no_grad():
         model(torch.tensor([b[:3]]), past_key_values=eager)
     for name, host in {**slots, **states}.items():
         layer, field = name.split(".")[1:]
         want = getattr(eager.layers[int(layer)], EAGER_FIELDS.get(field, field))[0].numpy()
-        np.testing.assert_allclose(host, want, rtol=0, atol=TOLERANCES["float32"], err_msg=name)
+        np.testing.assert_allclose(host, want, rtol=0, atol=TOLERANCE, err_msg=name)
     assert set(states) == {name for name in artifact.past_names() if name.endswith("shift")}
 
 
@@ -136,7 +138,7 @@ def test_a_prompt_resumed_from_its_first_chunks_block_gets_the_logits_of_eager(o
     cache.write_prefix(1, 4, [Block(3, 0, slots, states)])
     cache.resume(states)
     logits = run_chunk(artifact, cache, 1, prompt[3:], first=4, at=7, chunk=0, chunks=1, resumed=True)
-    assert np.abs(logits - eager_logits(model, prompt)[3:]).max() < TOLERANCES["float32"]
+    assert np.abs(logits - eager_logits(model, prompt)[3:]).max() < TOLERANCE
 
 
 def test_blocks_written_into_a_row_read_back_as_written_and_a_move_shifts_every_slotted_buffer(exported):
