@@ -397,7 +397,8 @@ class Engine:
         search = row.search
         try:
             banned = search.banned
-            token = int(search.choose(logits)[0])
+            chosen = search.choose(logits)
+            token = int(chosen[0])
             scored = None
             if request.logprobs is not None:
                 scored = chosen_logprob(logits, token, config.sampling, request.logprobs, search.context, banned)
@@ -405,7 +406,7 @@ class Engine:
             self._free(index)
             self._send(request, Failed(f"sampling failed: {error}"))
             return
-        search.record(np.array([token]))
+        search.record(chosen)
         if not self._send(request, Token(token, scored)):
             self._free(index)
             return
