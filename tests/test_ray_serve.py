@@ -72,7 +72,8 @@ def test_kvg_serve_on_ray_ends_a_stream_longer_than_the_grace_period_with_an_eve
         sent = time.monotonic()
         process.send_signal(signal.SIGTERM)
         stream.join()
-        assert process.wait(grace + RAY_STOP_S - (time.monotonic() - sent)) == 0
+        status = process.wait(grace + RAY_STOP_S - (time.monotonic() - sent))
+        assert status == 0, process.stderr.read()[-2000:]  # a CI run once saw 15 (Ray's SIGTERM handler's), unexplained
     assert stream.failure is None and stream.events[-1] == "[DONE]" and len(stream.tokens_received) < LONG
     [error] = stream.errors
     assert "grace period" in error["message"]
