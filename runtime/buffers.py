@@ -50,12 +50,16 @@ def to_host(value: ort.OrtValue, dtype: str) -> np.ndarray:
     return host
 
 
+def overwrite(value: ort.OrtValue, host: np.ndarray, dtype: str) -> None:
+    """Copy `host` (as `to_host` gives it) into `value`, which stays where it is: its bindings hold."""
+    raw = dtype == "bfloat16"
+    value.update_inplace(ort.OrtValue.ortvalue_from_numpy_with_onnx_type(host, BFLOAT16) if raw else host)
+
+
 def write_back(value: ort.OrtValue, host: np.ndarray, dtype: str, device: str) -> None:
     """Put `host`, changed after `to_host`, back into `value`, unless it is a view of it already."""
-    if dtype == "bfloat16":
-        value.update_inplace(ort.OrtValue.ortvalue_from_numpy_with_onnx_type(host, BFLOAT16))
-    elif device != "cpu":
-        value.update_inplace(host)
+    if dtype == "bfloat16" or device != "cpu":
+        overwrite(value, host, dtype)
 
 
 @contextmanager

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from runtime.artifact import ArtifactError, SessionOptions, unrunnable
+from runtime.draft_model import DraftModel
 from runtime.generator import GenerationConfig, Generator
 from runtime.prompt_lookup import PromptLookup
 from runtime.pruning import AS_EXPORTED, describe, parse_tolerance
@@ -37,11 +39,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int)
     parser.add_argument("--stream", action="store_true", help="print tokens as they are produced")
     parser.add_argument(
-        "--speculative", choices=["ngram"],
-        help="guess the next tokens by prompt lookup (the latest n tokens found earlier in the text) and verify "
-        "them in one run: the same tokens, sooner where the text repeats itself",
+        "--speculative", metavar="ngram|DRAFT_ARTIFACT",
+        help="guess the next tokens and verify them in one run: the same tokens (the same distribution when "
+        "sampling), sooner where the guesses are right. ngram: by prompt lookup (the latest n tokens found earlier "
+        "in the text); a folder: with that smaller artifact of the same tokenizer (a draft model, one prompt at a "
+        "time)",
     )  # fmt: skip
-    parser.add_argument("--draft-tokens", type=int, default=PromptLookup.tokens, help="most guesses a run verifies")
+    parser.add_argument(
+        "--draft-tokens", type=int,
+        help=f"most guesses a run verifies (default {PromptLookup.tokens} for ngram, {DraftModel.tokens} for a draft)",
+    )  # fmt: skip
     parser.add_argument("--lookup-ngram", type=int, default=PromptLookup.ngram, help="longest n-gram looked up")
     parser.add_argument(
         "--log-pruning-tolerance", type=parse_tolerance, default=argparse.SUPPRESS, metavar="X|none",
@@ -56,16 +63,33 @@ def _acceptance(result) -> str:
     return f"{accepted} of {proposed} drafts accepted{rate}"
 
 
+def _speculative(args: argparse.Namespace, options: SessionOptions) -> PromptLookup | DraftModel | None:
+    """What --speculative names: prompt lookup, a draft artifact (opened on the target's provider), or nothing."""
+    if args.speculative is None:
+        return None
+    tokens = args.draft_tokens
+    if args.speculative == "ngram":
+        return PromptLookup(PromptLookup.tokens if tokens is None else tokens, args.lookup_ngram)
+    if not Path(args.speculative, "kvg_config.json").is_file():
+        raise ArtifactError(
+            f"--speculative takes ngram or a folder made by kvg-export; {args.speculative!r} is neither"
+        )
+    return DraftModel.open(args.speculative, options, DraftModel.tokens if tokens is None else tokens)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.repetition_penalty, args.seed)
-    speculative = PromptLookup(args.draft_tokens, args.lookup_ngram) if args.speculative else None
-    config = GenerationConfig(
-        args.max_new_tokens, args.min_new_tokens, tuple(args.stop), sampling, speculative=speculative
-    )
     try:
         options = SessionOptions(args.provider, args.threads)
         generator = Generator.open(args.artifact, options, getattr(args, "log_pruning_tolerance", AS_EXPORTED))
+        speculative = _speculative(args, options)
+        config = GenerationConfig(
+            args.max_new_tokens, args.min_new_tokens, tuple(args.stop), sampling, speculative=speculative
+        )
+        prompts = args.prompt or args.ids
+        if speculative is not None:  # a draft that does not fit is refused as it is loaded, before any work
+            speculative.check(generator, generator.encode(prompts), config)
         device = generator.artifact.device.upper()
         why = ""
         if args.provider == "auto" and device == "CPU":
@@ -77,7 +101,6 @@ def main(argv: list[str] | None = None) -> int:
             f"kvg-generate: {artifact.folder} on {device}{why}, {artifact.weights}, {describe(generator.pruning)}",
             file=sys.stderr,
         )
-        prompts = args.prompt or args.ids
         if args.stream and len(prompts) == 1:
             stream = generator.stream(prompts, config)
             while True:

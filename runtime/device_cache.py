@@ -108,6 +108,7 @@ class DeviceCache:
         Pruning stops until `start` starts it again.
         """
         self.thresholds, self.stale_bindings = None, True
+        self.held: tuple[int, dict[str, np.ndarray]] | None = None  # see `hold`
         self.dropped = np.zeros((len(self.gate_names), self.heads), dtype=np.int64)  # positions each head dropped
         self.offsets[:] = 0
         self.offset = 0  # positions dropped from the front of every head's buffer rows: where the window starts
@@ -204,6 +205,33 @@ class DeviceCache:
             return 0
         if self.saved_states:
             self.filled, self.again = self.run_start, self.lead + kept
+        self._cut(end)
+        for past, state in self.saved_states.items():
+            if past in self.swapped:  # the run wrote the spare, which `advance` made current: they trade back
+                self.spare[past] = self.past[past]
+            self.past[past] = state
+        return self.again
+
+    def hold(self) -> None:
+        """Remember where the cache is, to come back to after several runs (a draft model's round of guesses, see
+        runtime/draft_model.py): the filled positions and a copy of each shift state, which the runs overwrite."""
+        self.held = self.filled, {name: buffers.to_host(self.past[name], self.dtypes[name]).copy()
+                                  for name in self.shift_names}  # fmt: skip
+
+    def rewind(self) -> None:
+        """Back to where `hold` was: the positions filled since are dropped as `keep` drops them, and the shift
+        states written over, in the buffers they are now in, so that no binding goes stale."""
+        end, (self.filled, states) = self.filled, self.held
+        self._cut(end)
+        for past, state in states.items():
+            if past in self.swapped:
+                buffers.overwrite(self.past[past], state, self.dtypes[past])
+            else:
+                self.past[past] = buffers.from_host(state, self.dtypes[past], self.device)
+
+    def _cut(self, end: int) -> None:
+        """Drop positions [filled, end): their gates are cleared, as `reset` leaves slots, and a fed-back cache is
+        cut to the first `filled`."""
         for layer, past in enumerate(self.gate_names):
             if past in self.in_place:  # each kv head's slots start at its own dropped position
                 with buffers.on_host(self.past[past], self.dtypes[past], self.device) as host:
@@ -211,14 +239,9 @@ class DeviceCache:
                     for head, dropped in enumerate(self.dropped[layer]):
                         host[:, head * group : (head + 1) * group, self.filled - dropped : end - dropped] = 0
         for _, past, _ in self.fed_back:
-            if past not in self.saved_states:
+            if past not in self.shift_names:
                 host = buffers.to_host(self.past[past], self.dtypes[past])[:, :, : self.filled]
                 self.past[past] = buffers.from_host(np.ascontiguousarray(host), self.dtypes[past], self.device)
-        for past, state in self.saved_states.items():
-            if past in self.swapped:  # the run wrote the spare, which `advance` made current: they trade back
-                self.spare[past] = self.past[past]
-            self.past[past] = state
-        return self.again
 
     def prepare_chunk(
         self, mask: np.ndarray, filled: int, new: int, rows=slice(None), cadence: bool = False
@@ -254,6 +277,8 @@ class DeviceCache:
             kept[:] = kept.max()
         elif self.windows == "layer" or (new > 1 and not self.chunk_heads_staggered):  # the heads kept together
             kept[:] = kept.max(1, keepdims=True)
+        if self.held is not None:  # never drop a position that `rewind` may go back to
+            kept = np.maximum(kept, filled - self.held[0])
         room = new if self.capacity is None else min(new, self.capacity - int(kept.max()))
         if room < 1:
             raise PruningError.no_room(needs, self.thresholds, self.capacity)

@@ -130,18 +130,22 @@ class Generator:
             )
         config.sampling.validate()
         if config.speculative is not None:
-            config.speculative.validate()
-            if len(prompts) > 1 and self.artifact.attention == "gqa":
-                raise ArtifactError(
-                    "speculative decoding runs a token and its drafts in one run, which GroupQueryAttention takes for "
-                    "one row only: send the prompts one by one, or use an artifact exported with another --attention"
-                )
-            if self.pruning is not None and not runs_keep_head_windows(self.artifact.manifest):
-                raise ArtifactError(
-                    "speculative decoding runs a token and its drafts in one run, which this artifact, exported "
-                    "before a chunk could keep each head's own window, cannot do once pruning has staggered them: "
-                    "re-export it, or turn pruning off (log_pruning_tolerance None)"
-                )
+            config.speculative.check(self, prompts, config)
+            self.check_runs_of_tokens(len(prompts))
+
+    def check_runs_of_tokens(self, rows: int) -> None:
+        """Refuse speculative decoding where this artifact cannot run a token and its drafts in one run for `rows`."""
+        if rows > 1 and self.artifact.attention == "gqa":
+            raise ArtifactError(
+                "speculative decoding runs a token and its drafts in one run, which GroupQueryAttention takes for "
+                "one row only: send the prompts one by one, or use an artifact exported with another --attention"
+            )
+        if self.pruning is not None and not runs_keep_head_windows(self.artifact.manifest):
+            raise ArtifactError(
+                "speculative decoding runs a token and its drafts in one run, which this artifact, exported "
+                "before a chunk could keep each head's own window, cannot do once pruning has staggered them: "
+                "re-export it, or turn pruning off (log_pruning_tolerance None)"
+            )
 
     def generate(
         self,
@@ -197,9 +201,9 @@ class Generator:
         the drafts fed before it were chosen; feed the last chosen with the next drafts (`decode_one_token`: none)."""
         start = time.perf_counter()
         ids, mask = left_padded(prompts, self.pad, config.max_new_tokens)
-        self._start(cache, ids.shape[1], config.max_new_tokens)
+        self.begin(cache, ids.shape[1], config.max_new_tokens)
         run, binding = SessionClock(self.artifact.session), self.artifact.session.io_binding()
-        logits = self._prefill(binding, cache, ids, mask, config.prefill_chunk, run)
+        logits = self.prefill(binding, cache, ids, mask, config.prefill_chunk, run)
         prefill_s, first_token_s, step_logits = run.seconds, None, []
         search = Search(config, prompts, self.eos, self.pad)
         texts = [TextStream(self.tokenizer) for _ in prompts] if text_events and self.tokenizer else None
@@ -210,7 +214,7 @@ class Generator:
             for index in range(outputs.shape[1]):
                 if keep_logits:
                     step_logits.append(outputs[:, index].copy())
-                chosen = search.choose(outputs[:, index])
+                chosen = search.choose(outputs[:, index], index)
                 first_token_s = time.perf_counter() - start if first_token_s is None else first_token_s
                 for row, token, last in search.record(chosen):
                     yield TokenEvent(row, token, texts[row].push(token, last) if texts else "")
@@ -224,7 +228,7 @@ class Generator:
             drafts = search.drafts()
             if lead or drafts.size:  # one run: the tokens fed again, the latest chosen and the drafts after it
                 fed = np.concatenate([fed[:, :lead], chosen[:, None], drafts], axis=1)
-                outputs = self._decode_run(binding, cache, fed, run)[:, lead:]
+                outputs = self.decode_run(binding, cache, fed, run)[:, lead:]
             else:
                 fed, outputs = chosen[:, None], decode_one_token(chosen[:, None])[:, None]
         return self._result(search, cache, run, time.perf_counter() - start, first_token_s, prefill_s, step_logits)
@@ -251,7 +255,7 @@ class Generator:
             step_logits=step_logits,
         )
 
-    def _start(self, cache: DeviceCache, width: int, new_tokens: int) -> None:
+    def begin(self, cache: DeviceCache, width: int, new_tokens: int) -> None:
         """Start a request of prompts `width` long and up to `new_tokens` more on `cache`, pruning it if this
         generator prunes (else its buffers hold the prompt and RESERVED_NEW_TOKENS more from the start)."""
         positions = width + new_tokens - 1  # the last new token is never fed back
@@ -265,13 +269,13 @@ class Generator:
         batch, width = ids.shape
         self.check_request(ids.tolist(), GenerationConfig(max_new_tokens=1, prefill_chunk=prefill_chunk))
         with self._held_cache(batch) as cache:
-            self._start(cache, width, 1)
+            self.begin(cache, width, 1)
             binding = self.artifact.session.io_binding()
             mask = np.ones((batch, width), dtype=np.int64)
             run = SessionClock(self.artifact.session)
-            return self._prefill(binding, cache, ids, mask, prefill_chunk, run, every_position=True)
+            return self.prefill(binding, cache, ids, mask, prefill_chunk, run, every_position=True)
 
-    def _prefill(
+    def prefill(
         self, binding: ort.IOBinding, cache: DeviceCache, ids: np.ndarray, mask: np.ndarray, prefill_chunk: int,
         run: Callable[[ort.IOBinding], None], every_position: bool = False,
     ) -> np.ndarray:  # fmt: skip
@@ -311,7 +315,7 @@ class Generator:
         logits = self._run_chunk(binding, cache, ids[:, filled : filled + new], slot, window, run, last_only, row_chunk)
         return logits, filled + new
 
-    def _decode_run(
+    def decode_run(
         self, binding: ort.IOBinding, cache: DeviceCache, tokens: np.ndarray, run: Callable[[ort.IOBinding], None]
     ) -> np.ndarray:  # fmt: skip
         """Feed `tokens` `[batch, n]` after those decoded, in one run (tokens kept and fed again, a token and the drafts

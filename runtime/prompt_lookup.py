@@ -19,15 +19,16 @@ class PromptLookup:
     tokens: int = 8
     ngram: int = 2
 
-    def validate(self) -> None:
+    def check(self, target, prompts: list[list[int]], config) -> None:
+        """Refuse settings that guess nothing (any target and request can be guessed for)."""
         if self.tokens < 1 or self.ngram < 1:
             raise ValueError(
                 f"prompt lookup needs tokens (--draft-tokens) >= 1 and ngram (--lookup-ngram) >= 1, got {self.tokens} "
                 f"and {self.ngram}"
             )
 
-    def start(self, prompt: list[int]) -> Lookup:
-        """The guesser of one row, which has read `prompt`."""
+    def start(self, prompt: list[int], config=None) -> Lookup:
+        """The guesser of one row, which has read `prompt` (the request's `config` is a draft model's concern)."""
         lookup = Lookup(self)
         for token in prompt:
             lookup.push(token)
@@ -37,6 +38,8 @@ class PromptLookup:
 class Lookup:
     """One row's text and, for each n-gram of up to `ngram` tokens, where its latest occurrence before the text's
     end was followed from: guessing and reading a token cost O(ngram), however long the text."""
+
+    distributions = ()  # a guess is one token for certain: no q (see `Sampler.verify`)
 
     def __init__(self, settings: PromptLookup):
         self.settings = settings

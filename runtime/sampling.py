@@ -113,11 +113,36 @@ class Sampler:
         scores = filtered_logits(logits, self.config, context, banned)
         if greedy:
             return scores.argmax(axis=-1).astype(np.int64)
-        probs = _softmax(scores)
+        return self.draw(_softmax(scores))
+
+    def distribution(
+        self, logits: np.ndarray, context: list[np.ndarray] | None = None, banned: np.ndarray | None = None
+    ) -> np.ndarray:  # fmt: skip
+        """What `choose` samples from when sampling `[batch, vocab]` (float64): a draft model's q, the target's p."""
+        return _softmax(filtered_logits(logits, self.config, context, banned))
+
+    def draw(self, probs: np.ndarray) -> np.ndarray:
+        """One id per row `[batch]` int64 from (not necessarily normalised) probabilities `[batch, vocab]`."""
         cdf = np.cumsum(probs, axis=-1)
-        draws = self._rng.random(scores.shape[0]) * cdf[:, -1]
+        draws = self._rng.random(probs.shape[0]) * cdf[:, -1]
         # Inverse CDF: the first id whose cumulative probability exceeds the draw. That id never has probability 0
         # (its cdf would equal its predecessor's); the clamp covers a draw rounding up to the total.
         tokens = (cdf <= draws[:, None]).sum(axis=-1)
-        last_possible = scores.shape[-1] - 1 - np.argmax(probs[:, ::-1] > 0, axis=-1)
+        last_possible = probs.shape[-1] - 1 - np.argmax(probs[:, ::-1] > 0, axis=-1)
         return np.minimum(tokens, last_possible).astype(np.int64)
+
+    def verify(
+        self, logits: np.ndarray, drafts: np.ndarray, drawn_from: np.ndarray, context: list[np.ndarray] | None = None,
+        banned: np.ndarray | None = None,
+    ) -> np.ndarray:  # fmt: skip
+        """Speculative sampling's rule (Leviathan et al. 2023, Chen et al. 2023): each row's draft `[batch]`, drawn
+        from q `drawn_from` `[batch, vocab]`, is kept with probability min(1, p/q) (p: the target's distribution from
+        `logits`, as `choose` samples it), else replaced by a draw from what p has beyond q, max(p - q, 0). The
+        token is then distributed as p, whatever q; it is the draft exactly when kept (a rejected draft has
+        p < q, so no mass beyond q)."""
+        p = self.distribution(logits, context, banned)
+        rows = np.arange(len(p))
+        kept = self._rng.random(len(p)) * drawn_from[rows, drafts] < p[rows, drafts]
+        if kept.all():
+            return np.asarray(drafts, dtype=np.int64)
+        return np.where(kept, drafts, self.draw(np.maximum(p - drawn_from, 0.0))).astype(np.int64)

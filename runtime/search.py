@@ -8,13 +8,33 @@ the search also keeps each row's guesser, proposes the tokens a run verifies, an
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
-from runtime.prompt_lookup import PromptLookup
 from runtime.sampling import Sampler, SamplingConfig
+
+
+class Guesser(Protocol):
+    """One row's guesses (runtime/prompt_lookup.py's Lookup, runtime/draft_model.py's Drafting)."""
+
+    distributions: Sequence[np.ndarray]  # the latest guesses' q where drawn from one (see `Sampler.verify`)
+
+    def push(self, token: int) -> None: ...  # the row's next token, as chosen
+
+    def propose(self, most: int) -> list[int]: ...  # up to `most` guesses of the tokens after those pushed
+
+
+class Proposer(Protocol):
+    """How a request's tokens are guessed (PromptLookup, DraftModel)."""
+
+    tokens: int  # the most guesses a run verifies
+
+    def check(self, target, prompts: list[list[int]], config: GenerationConfig) -> None: ...  # raises if it cannot
+
+    def start(self, prompt: list[int], config: GenerationConfig) -> Guesser: ...
 
 
 @dataclass(frozen=True)
@@ -24,7 +44,7 @@ class GenerationConfig:
     stop_tokens: tuple[int, ...] = ()  # besides the model's eos ids
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     prefill_chunk: int = 256  # prompts are prefilled in chunks of at most this many tokens (see prefill.chunk_size)
-    speculative: PromptLookup | None = None  # how to guess the tokens a run verifies at once (None: one a run)
+    speculative: Proposer | None = None  # how to guess the tokens a run verifies at once (None: one a run)
 
 
 class Search:
@@ -41,8 +61,9 @@ class Search:
         self.finished = 0  # how many rows have ended: a count each step tests more cheaply than `ended`
         self.steps = 0  # tokens chosen so far, per running row
         speculative = config.speculative
-        self.guessers = None if speculative is None else [speculative.start(prompt) for prompt in prompts]
+        self.guessers = None if speculative is None else [speculative.start(prompt, config) for prompt in prompts]
         self.no_drafts = np.zeros((len(prompts), 0), dtype=np.int64)
+        self.latest, self.drawn_from = self.no_drafts, ()  # the latest drafts, and the q of each where drawn
         self.proposed = self.accepted = 0  # drafts verified, and those the search then chose
         # The most drafts the next run verifies: where few are chosen, a long run costs more than the tokens it
         # yields, so the count adapts as transformers' assisted decoding's does (+2 after a run chosen whole, else -1)
@@ -57,9 +78,14 @@ class Search:
     def done(self) -> bool:
         return self.finished == len(self.reasons)
 
-    def choose(self, logits: np.ndarray) -> np.ndarray:
-        """Each row's next token `[rows]` from its logits `[rows, vocab]`; padding for a row that has ended."""
-        chosen = self.sampler.choose(logits, self.context, self.banned)
+    def choose(self, logits: np.ndarray, index: int = 0) -> np.ndarray:
+        """Each row's next token `[rows]` from its logits `[rows, vocab]` at position `index` of a run (where the draft
+        at `index` was drawn from a distribution, by `Sampler.verify`'s rule); padding for a row that has ended."""
+        if index < len(self.drawn_from):
+            drafts = self.latest[:, index]
+            chosen = self.sampler.verify(logits, drafts, self.drawn_from[index][None], self.context, self.banned)
+        else:
+            chosen = self.sampler.choose(logits, self.context, self.banned)
         return np.where(self.ended, self.pad, chosen) if self.finished else chosen
 
     def record(self, chosen: np.ndarray) -> list[tuple[int, int, bool]]:
@@ -89,6 +115,7 @@ class Search:
         the budget and the room max_new_tokens leaves to choose; padding for a row that has ended."""
         most = min(self.budget, self.config.max_new_tokens - self.steps - 1)  # d drafts choose up to d + 1 tokens
         if self.guessers is None or most < 1:
+            self.latest, self.drawn_from = self.no_drafts, ()
             return self.no_drafts
         guesses = [
             None if ended else guesser.propose(most) for guesser, ended in zip(self.guessers, self.ended, strict=True)
@@ -99,6 +126,8 @@ class Search:
             if guess is not None:
                 drafts[row] = guess[:count]
         self.proposed += count
+        # A draft model drafts for one row (DraftModel.check); a drawn draft carries its q
+        self.latest, self.drawn_from = drafts, self.guessers[0].distributions[:count] if len(guesses) == 1 else ()
         return drafts
 
     def accepts(self, chosen: np.ndarray, drafts: np.ndarray, index: int) -> bool:

@@ -24,14 +24,16 @@ class Scripted:
     def of(cls, prompts: list[list[int]], truth: list[list[int]], right: Callable[[int, int], bool], vocab: int):
         return cls(tuple(map(tuple, prompts)), tuple(map(tuple, truth)), right, vocab)
 
-    def validate(self) -> None:
+    def check(self, target, prompts, config) -> None:
         pass
 
-    def start(self, prompt: list[int]) -> Script:
+    def start(self, prompt: list[int], config) -> Script:
         return Script(self, self.prompts.index(tuple(prompt)))
 
 
 class Script:
+    distributions = ()  # each draft is one token for certain
+
     def __init__(self, scripted: Scripted, row: int):
         self.scripted, self.row, self.chosen = scripted, row, 0
 

@@ -16,6 +16,7 @@ from kvg_export.corpus import read_split, token_stream
 from kvg_export.fox.pruning import score_bounds
 from kvg_export.presets import load_model
 from runtime.artifact import ArtifactError, SessionOptions
+from runtime.draft_model import DraftModel
 from runtime.engine import Engine, Failed, Finished, Token
 from runtime.generator import GenerationConfig, Generator
 from runtime.pruning import PruningError, droppable
@@ -161,6 +162,23 @@ def test_speculative_decoding_through_a_pruned_artifact_generates_the_exact_toke
         assert np.min(result.pruned_positions) > 0 and 0 < result.drafts_accepted < result.drafts_proposed
         assert result.tokens == expected.tokens
         assert_within_the_bound(model, result.step_logits, expected.step_logits)
+
+
+@pytest.mark.parametrize("preset", ["fox-pro-tiny", "fox-tiny"])
+def test_a_pruned_artifact_drafting_for_itself_generates_the_exact_tokens(artifacts, preset):
+    """The draft's cache prunes as well, through its SLOTS slots, and goes back after each round of guesses
+    (FoX-Pro's shift states with it) without dropping a position it goes back to: every guess is accepted, and the
+    target's tokens are the unpruned artifact's."""
+    model, static, _, exact = artifacts(preset)
+    config = GenerationConfig(max_new_tokens=NEW, min_new_tokens=NEW)
+    rows = prompts(model.config.vocab_size, 1)
+    expected = Generator.open(exact, CPU).generate(rows, config, keep_logits=True)
+    draft = DraftModel(Generator.open(static, CPU), tokens=5)
+    drafted = dataclasses.replace(config, speculative=draft)
+    result = Generator.open(static, CPU).generate(rows, drafted, keep_logits=True)
+    assert np.min(result.pruned_positions) > 0 and result.drafts_accepted == result.drafts_proposed > NEW // 2
+    assert result.tokens == expected.tokens
+    assert_within_the_bound(model, result.step_logits, expected.step_logits)
 
 
 def test_teacher_forced_through_its_slots_a_pruned_artifact_scores_a_text_as_the_exact_one(artifacts):

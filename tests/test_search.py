@@ -73,11 +73,12 @@ class Fours:
     """A guesser that guesses 4 for as many tokens as it is asked."""
 
     tokens = 5
+    distributions = ()
 
-    def validate(self) -> None:
+    def check(self, target, prompts, config) -> None:
         pass
 
-    def start(self, prompt: list[int]) -> "Fours":
+    def start(self, prompt: list[int], config) -> "Fours":
         return self
 
     def push(self, token: int) -> None:

@@ -1,0 +1,128 @@
+"""A draft model: a smaller artifact with the target's tokenizer guesses the tokens that come next, one run each, and
+the target verifies them all in one run (see `Generator._decode`).
+
+The draft keeps a cache of its own, which holds the text the target has chosen. Each round feeds it the tokens
+chosen since the last (the accepted guesses and the token after them) in one run, remembers the cache there
+(`DeviceCache.hold`), guesses a token a run, and goes back (`DeviceCache.rewind`): the keys, values and gates of
+its guesses are dropped, and FoX-Pro's shift states are those after the last chosen token again. transformers'
+`assistant_model` is this; like its assisted decoding, a draft model drafts for one prompt at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from runtime.artifact import ArtifactError, SessionOptions
+from runtime.decode_step import DecodeStep
+from runtime.device_cache import DeviceCache
+from runtime.generator import Generator, SessionClock, left_padded
+from runtime.sampling import Sampler, SamplingConfig
+from runtime.search import GenerationConfig
+
+
+@dataclass(frozen=True)
+class DraftModel:
+    """Guess up to `tokens` tokens a run with `generator`'s artifact (greedily, or sampling as the request does)."""
+
+    generator: Generator
+    tokens: int = 5
+
+    @classmethod
+    def open(cls, folder: str | Path, options: SessionOptions | None = None, tokens: int = 5) -> DraftModel:
+        return cls(Generator.open(folder, options), tokens)
+
+    def check(self, target: Generator, prompts: list[list[int]], config: GenerationConfig) -> None:
+        """Refuse a draft that cannot guess for `target`'s request, naming why: other token ids, a batch, or a request
+        its own artifact cannot hold."""
+        if self.tokens < 1:
+            raise ValueError(f"a draft model needs tokens (--draft-tokens) >= 1, got {self.tokens}")
+        difference = tokenizer_difference(self.generator, target)
+        if difference is not None:
+            raise ArtifactError(
+                f"the draft model {self.generator.artifact.folder} does not share the target's tokens: {difference}; "
+                "draft with a model exported from the same tokenizer, or use --speculative ngram"
+            )
+        if len(prompts) > 1:
+            raise ArtifactError("a draft model drafts for one prompt at a time: send the prompts one by one")
+        self.generator.check_request(prompts, replace(config, speculative=None))
+        self.generator.check_runs_of_tokens(1)
+
+    def start(self, prompt: list[int], config: GenerationConfig) -> Drafting:
+        return Drafting(self.generator, prompt, config)
+
+
+class Drafting:
+    """One request's draft, with a cache of its own for as long as the request runs."""
+
+    distributions: list[np.ndarray]  # when sampling, the latest guesses' q, each `[vocab]` (see `Sampler.verify`)
+
+    def __init__(self, generator: Generator, prompt: list[int], config: GenerationConfig):
+        self.generator, self.artifact = generator, generator.artifact
+        self.cache = DeviceCache(self.artifact, 1)
+        self.run, self.binding = SessionClock(self.artifact.session), self.artifact.session.io_binding()
+        ids, mask = left_padded([prompt], generator.pad, config.max_new_tokens)
+        generator.begin(self.cache, ids.shape[1], config.max_new_tokens)
+        generator.prefill(self.binding, self.cache, ids, mask, config.prefill_chunk, self.run)
+        self.step = DecodeStep(self.artifact, self.cache, self.run)
+        self.text, self.fed = list(prompt), len(prompt)  # the tokens chosen so far, and those the cache holds
+        sampling = config.sampling
+        # Its own draws, seeded from the request's seed so that a seeded request repeats; no repetition penalty:
+        # any q keeps the target's distribution (see `Sampler.verify`), and this one costs no context
+        self.sampler = None if sampling.temperature == 0 else Sampler(
+            SamplingConfig(sampling.temperature, sampling.top_k, sampling.top_p, seed=_draft_seed(sampling.seed))
+        )  # fmt: skip
+        self.distributions = []
+
+    def push(self, token: int) -> None:
+        self.text.append(token)
+
+    def propose(self, most: int) -> list[int]:
+        """Up to `most` guesses after the text; none when a pruned cache could not take the tokens chosen since the
+        last round (the next round feeds the rest)."""
+        chosen = np.array([self.text[self.fed :]], dtype=np.int64)
+        logits = self.generator.decode_run(self.binding, self.cache, chosen, self.run)
+        self.fed += logits.shape[1]
+        self.distributions = []
+        if self.fed < len(self.text):
+            return []
+        self.cache.hold()
+        guesses = [self._guess(logits[:, -1])]
+        while len(guesses) < most:
+            guesses.append(self._guess(self.step(np.array([[guesses[-1]]], dtype=np.int64))))
+        self.cache.rewind()
+        return guesses
+
+    def _guess(self, logits: np.ndarray) -> int:
+        if self.sampler is None:
+            return int(logits[0].argmax())
+        q = self.sampler.distribution(logits)
+        self.distributions.append(q[0])
+        return int(self.sampler.draw(q)[0])
+
+
+def _draft_seed(seed: int | None) -> int | None:
+    return None if seed is None else int(np.random.SeedSequence(seed).generate_state(1)[0])
+
+
+def tokenizer_difference(draft: Generator, target: Generator) -> str | None:
+    """How the draft's token ids differ from the target's, in words; None when they mean the same text."""
+    ours, theirs = draft.artifact.manifest, target.artifact.manifest
+    if draft.artifact.vocab_size != target.artifact.vocab_size:
+        return f"its vocabulary has {draft.artifact.vocab_size} ids, the target's {target.artifact.vocab_size}"
+    for key in ("special_tokens", "text"):
+        if ours.get(key) != theirs.get(key):
+            return f"its {key} are {ours.get(key)}, the target's {theirs.get(key)}"
+    if (draft.tokenizer is None) != (target.tokenizer is None):
+        return "one has a tokenizer and the other none" if draft.tokenizer else "the target has a tokenizer, it none"
+    if draft.tokenizer is None:
+        return None
+    vocab, target_vocab = draft.tokenizer.bpe.get_vocab(), target.tokenizer.bpe.get_vocab()
+    if vocab != target_vocab:
+        token = min(set(vocab.items()) ^ set(target_vocab.items()), key=lambda item: item[1])[0]
+        return f"its tokenizer gives {token!r} id {vocab.get(token)}, the target's id {target_vocab.get(token)}"
+    if draft.tokenizer.bpe.to_str() != target.tokenizer.bpe.to_str():
+        return "its tokenizer.json differs from the target's beyond the vocabulary (merges or text handling)"
+    return None
