@@ -84,9 +84,11 @@ train: setup
 eval: setup $(if $(ARTIFACT),,$(OUT)/kvg_config.json)
 	$(VENV)/bin/kvg-eval "$(MODEL)" --artifact "$(or $(ARTIFACT),$(OUT))" $(EVAL_FLAGS)
 
-# Eager PyTorch against the runtime, side by side (see bench/README.md); BENCH_FLAGS e.g. "--runs 3".
+# Eager PyTorch against the runtime, side by side, then speculative decoding against plain decoding (see
+# bench/README.md); BENCH_FLAGS e.g. "--runs 3", BENCH_SPECULATIVE_FLAGS e.g. "--runs 5".
 bench: setup
 	$(PY) bench/run.py $(BENCH_FLAGS)
+	$(PY) bench/speculative.py $(BENCH_SPECULATIVE_FLAGS)
 
 # The official sizes end to end: export time and memory, fp32 and int4, and the runtime against onnxruntime-genai
 # (bench/README.md); BENCH_SIZES_FLAGS e.g. "--models fox-base fox-pro-760m --runs 3"
