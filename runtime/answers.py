@@ -98,6 +98,17 @@ class ServerMetrics:
             registry=r,
         )
         self.prefix_bytes = Gauge("kvg_prefix_cache_bytes", "Memory the prefix cache holds", registry=r)
+        self.drafts_proposed = Gauge(
+            "kvg_speculative_drafts_proposed", "Drafts verified by the requests that ended (speculative decoding)",
+            registry=r,
+        )  # fmt: skip
+        self.drafts_accepted = Gauge(
+            "kvg_speculative_drafts_accepted", "Of those, the drafts chosen (speculative decoding)", registry=r
+        )
+        self.draft_acceptance = Gauge(
+            "kvg_speculative_acceptance_rate", "Drafts accepted per draft proposed, by the requests that ended",
+            registry=r,
+        )  # fmt: skip
         self.drained = Counter(
             "kvg_shutdown_drained_requests", "Requests in flight at a shutdown signal that finished in its grace",
             registry=r,

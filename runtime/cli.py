@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from runtime.artifact import ArtifactError, SessionOptions, unrunnable
-from runtime.draft_model import DraftModel
 from runtime.generator import GenerationConfig, Generator
-from runtime.prompt_lookup import PromptLookup
+from runtime.proposers import add_speculative_arguments, proposer
 from runtime.pruning import AS_EXPORTED, describe, parse_tolerance
 from runtime.sampling import SamplingConfig
 
@@ -38,18 +36,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
     parser.add_argument("--seed", type=int)
     parser.add_argument("--stream", action="store_true", help="print tokens as they are produced")
-    parser.add_argument(
-        "--speculative", metavar="ngram|DRAFT_ARTIFACT",
-        help="guess the next tokens and verify them in one run: the same tokens (the same distribution when "
-        "sampling), sooner where the guesses are right. ngram: by prompt lookup (the latest n tokens found earlier "
-        "in the text); a folder: with that smaller artifact of the same tokenizer (a draft model, one prompt at a "
-        "time)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--draft-tokens", type=int,
-        help=f"most guesses a run verifies (default {PromptLookup.tokens} for ngram, {DraftModel.tokens} for a draft)",
-    )  # fmt: skip
-    parser.add_argument("--lookup-ngram", type=int, default=PromptLookup.ngram, help="longest n-gram looked up")
+    add_speculative_arguments(parser)
     parser.add_argument(
         "--log-pruning-tolerance", type=parse_tolerance, default=argparse.SUPPRESS, metavar="X|none",
         help="drop cached keys whose weight in any later query is provably below e^X (default: as exported)",
@@ -63,27 +50,13 @@ def _acceptance(result) -> str:
     return f"{accepted} of {proposed} drafts accepted{rate}"
 
 
-def _speculative(args: argparse.Namespace, options: SessionOptions) -> PromptLookup | DraftModel | None:
-    """What --speculative names: prompt lookup, a draft artifact (opened on the target's provider), or nothing."""
-    if args.speculative is None:
-        return None
-    tokens = args.draft_tokens
-    if args.speculative == "ngram":
-        return PromptLookup(PromptLookup.tokens if tokens is None else tokens, args.lookup_ngram)
-    if not Path(args.speculative, "kvg_config.json").is_file():
-        raise ArtifactError(
-            f"--speculative takes ngram or a folder made by kvg-export; {args.speculative!r} is neither"
-        )
-    return DraftModel.open(args.speculative, options, DraftModel.tokens if tokens is None else tokens)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.repetition_penalty, args.seed)
     try:
         options = SessionOptions(args.provider, args.threads)
         generator = Generator.open(args.artifact, options, getattr(args, "log_pruning_tolerance", AS_EXPORTED))
-        speculative = _speculative(args, options)
+        speculative = proposer(args.speculative, args.draft_tokens, args.lookup_ngram, options)
         config = GenerationConfig(
             args.max_new_tokens, args.min_new_tokens, tuple(args.stop), sampling, speculative=speculative
         )

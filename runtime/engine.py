@@ -18,7 +18,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +30,7 @@ from runtime.logprobs import TokenLogprob, chosen_logprob, prompt_logprobs
 from runtime.prefill import bind_chunk, chunk_size, chunk_spans
 from runtime.prefix_cache import Block, PrefixCache
 from runtime.row_cache import RowCache
-from runtime.search import GenerationConfig, Search
+from runtime.search import GenerationConfig, Proposer, Search
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,7 @@ class Failed:
 
 
 Event = Prompt | Token | Finished | Failed
+NO_DRAFTS = np.zeros((1, 0), dtype=np.int64)
 PREFILL_BUDGET = 64  # prompt tokens prefilled between two decode steps, by default (bench/README.md: serving)
 PREFIX_CACHE_MB = 256  # kvg-serve's memory for recent prompts' prefixes, by default
 
@@ -87,6 +88,8 @@ class Request:
 class _Row:
     request: Request
     search: Search  # of this request alone: its tokens are those it gets alone
+    pending: list[int] = field(default_factory=list)  # to feed before its next choice: its latest token, and
+    # with speculation in a model that shifts tokens, those it kept of a step it did not keep whole (RowCache.keep)
 
     @property
     def generated(self) -> list[int]:
@@ -134,15 +137,17 @@ class Engine:
 
     def __init__(
         self, generator: Generator, max_batch: int, max_queue: int = 64, timeout_s: float | None = None,
-        prefill_budget: int = PREFILL_BUDGET, prefix_cache_bytes: int = 0,
+        prefill_budget: int = PREFILL_BUDGET, prefix_cache_bytes: int = 0, speculative: Proposer | None = None,
     ):  # fmt: skip
         """`prefill_budget`: prompt tokens prefilled between two decode steps (a waiting request's prompt is
         prefilled in chunks of at most that many, so the running rows wait at most one chunk a step);
-        `prefix_cache_bytes`: the memory recent prompts' prefixes may keep (0: none; runtime/prefix_cache.py)."""
+        `prefix_cache_bytes`: the memory recent prompts' prefixes may keep (0: none; runtime/prefix_cache.py);
+        `speculative`: how a request that names none guesses the tokens a step verifies (None: it does not)."""
         check_servable(generator.artifact.folder, generator.artifact.manifest, max_batch)
         if prefill_budget < 1:
             raise ArtifactError(f"the prefill budget must be at least 1 token a step, got {prefill_budget}")
         self.generator, self.max_queue, self.timeout_s = generator, max_queue, timeout_s
+        self.speculative = speculative
         self.prefill_budget = prefill_budget
         self.filling: _Filling | None = None
         self.prefixes = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
@@ -152,6 +157,8 @@ class Engine:
         self.decode_one_token = DecodeStep(
             generator.artifact, self.cache, generator.artifact.session.run_with_iobinding
         )
+        self._wide_binding = generator.artifact.session.io_binding()  # a step of a token and drafts a row
+        self.drafts_proposed = self.drafts_accepted = 0  # by the requests that ended, for /metrics
         self.waiting: deque[Request] = deque()
         self._wake = threading.Condition()
         self._closing = False
@@ -174,11 +181,12 @@ class Engine:
     def check(self, prompt: list[int], config: GenerationConfig) -> None:
         """Raise what `submit` would refuse the request for (ArtifactError, ValueError), queueing nothing. A
         max_new_tokens of 0 prefills the prompt alone, to score it (see Request.echo)."""
+        config = self._speculating(config)
         if config.max_new_tokens == 0 and config.min_new_tokens:
             raise ArtifactError("min_new_tokens must be 0 when max_new_tokens is 0")
-        if config.speculative is not None:
-            raise ArtifactError("the engine decodes a token a step: speculative decoding runs in the Generator so far")
         self.generator.check_request([prompt], replace(config, max_new_tokens=max(config.max_new_tokens, 1)))
+        if config.speculative is not None:
+            self.generator.check_runs_of_tokens(self.cache.rows)
         needed = len(prompt) + self._reserved(_feeds(config))
         if self.generator.pruning is not None and needed > self.cache.length:  # else check_request saw to it
             raise ArtifactError(
@@ -186,6 +194,12 @@ class Engine:
                 f"slots before pruning can free any, over this artifact's max_cache_len {self.cache.length}; "
                 "shorten it or re-export with a larger --max-cache-len"
             )
+
+    def _speculating(self, config: GenerationConfig) -> GenerationConfig:
+        """The request as the engine runs it: with the engine's speculation unless it names its own."""
+        if self.speculative is None or config.speculative is not None:
+            return config
+        return replace(config, speculative=self.speculative)
 
     def _reserved(self, feeds: int) -> int:
         """The slots a row's `feeds` decode steps are sure to need: all of them, or with pruning the next one's
@@ -199,6 +213,7 @@ class Engine:
     ) -> Request:  # fmt: skip
         """Queue a request; refuses at once what cannot run (ArtifactError, ValueError) or a full queue."""
         self.check(prompt, config)
+        config = self._speculating(config)
         deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
         request = Request(list(prompt), config, emit, deadline, logprobs, echo)
         with self._wake:
@@ -362,42 +377,86 @@ class Engine:
         return any(row is not None for row in self.rows)
 
     def _step(self) -> None:
-        """One decode step over rows [0, last occupied]; free rows among them (and a row being prefilled) are fed
-        padding and ignored."""
+        """One decode step over rows [0, last occupied]: each running row feeds its pending tokens and, speculating,
+        its drafts (while no prompt is being prefilled: its placement counts on a slot a step); free rows among
+        them (and a row being prefilled) are fed padding and ignored."""
         self._drop_cancelled()
-        for index, error in self.cache.before_step():  # a row the cache has no room for
+        speculating = self.filling is None
+        widest = max((len(row.pending) + row.search.budget for _, row in self._running()), default=1)
+        for index, error in self.cache.before_step(widest if speculating else 1):  # a row the cache has no room for
             request = self.rows[index].request
             self._free(index)
             self._send(request, Failed(str(error)))
         if not self._decoding:
             return
-        count = max(index for index, row in enumerate(self.rows) if row is not None) + 1
-        ids = np.array([[row.generated[-1] if row else self.generator.pad] for row in self.rows[:count]], np.int64)
+        room = self.cache.room if speculating else 1
+        fed = {index: (row.pending + self._drafts(row, room - len(row.pending)))[:room]
+               for index, row in self._running()}  # fmt: skip
+        width, count = max(map(len, fed.values())), max(fed) + 1
+        ids = np.full((count, width), self.generator.pad, dtype=np.int64)
+        for index, tokens in fed.items():
+            ids[index, : len(tokens)] = tokens
         try:
-            logits = self.decode_one_token(ids)
+            logits = self.decode_one_token(ids)[:, None] if width == 1 else self._run_wide(ids)
         except Exception as error:  # nothing of this step is usable: its requests fail, later ones go on
             self._fail_running(f"decode step failed: {error}")
             return
-        for index in range(count):
-            if self.rows[index] is not None:
-                self._choose(index, logits[index : index + 1])
+        for index, tokens in fed.items():
+            self._take(index, logits[index], tokens, width)
+
+    def _running(self) -> list[tuple[int, _Row]]:
+        return [(index, row) for index, row in enumerate(self.rows) if row is not None]
+
+    @staticmethod
+    def _drafts(row: _Row, room: int) -> list[int]:
+        """Up to `room` drafts for the row to verify (none while a prompt is prefilled: see `_step`)."""
+        return row.search.drafts(room)[0].tolist() if row.request.config.speculative is not None and room > 0 else []
+
+    def _run_wide(self, ids: np.ndarray) -> np.ndarray:
+        """A step of several tokens a row `[rows, width]`; every position's logits `[rows, width, vocab]`."""
+        binding, artifact = self._wide_binding, self.generator.artifact
+        slot, mask = self.cache.prepare_step(*ids.shape)
+        bind_chunk(binding, artifact, ids, mask, slot, self.cache.device, last_only=False)
+        self.cache.bind(binding, len(ids))
+        artifact.session.run_with_iobinding(binding)
+        self.cache.advance(None, ids.shape[1])
+        return binding.get_outputs()[0].numpy()
+
+    def _take(self, index: int, logits: np.ndarray, fed: list[int], width: int) -> None:
+        """A running row's tokens from a step that fed it `fed` (its pending tokens, then drafts) with its logits at
+        each `[width, vocab]`: chosen from its last pending token's on while the draft before was chosen."""
+        row = self.rows[index]
+        pending = len(row.pending)
+        if pending > width:  # no room for all it must feed again: the rest goes first next step
+            row.pending = row.pending[width:]
+            return
+        drafts = np.array([fed[pending:]], dtype=np.int64) if len(fed) > pending else NO_DRAFTS
+        for position in range(drafts.shape[1] + 1):
+            chosen = self._choose(index, logits[pending - 1 + position][None], position)
+            if chosen is None:
+                return
+            if not row.search.accepts(chosen, drafts, position):
+                break
+        again = self.cache.keep(index, pending + position, width)
+        row.pending = [*fed[:again], int(chosen[0])]
 
     def _drop_cancelled(self) -> None:
         for index, row in enumerate(self.rows):
             if row is not None and row.request.cancelled:
                 self._free(index)
 
-    def _choose(self, index: int, logits: np.ndarray) -> None:
-        """The row's next token from its logits `[1, vocab]`, sent; the row is freed if it is done."""
+    def _choose(self, index: int, logits: np.ndarray, position: int = 0) -> np.ndarray | None:
+        """The row's next token from its logits `[1, vocab]` (at `position` of a step's drafts), sent; None when the
+        row is done (and freed) or cancelled."""
         row = self.rows[index]
         request, config = row.request, row.request.config
         if request.cancelled:
             self._free(index)
-            return
+            return None
         search = row.search
         try:
             banned = search.banned
-            chosen = search.choose(logits)
+            chosen = search.choose(logits, position)
             token = int(chosen[0])
             scored = None
             if request.logprobs is not None:
@@ -405,13 +464,18 @@ class Engine:
         except Exception as error:  # a fault in one request's sampling fails that request only
             self._free(index)
             self._send(request, Failed(f"sampling failed: {error}"))
-            return
+            return None
         search.record(chosen)
         if not self._send(request, Token(token, scored)):
             self._free(index)
-            return
+            return None
         if not search.done and request.deadline is not None and time.monotonic() > request.deadline:
             search.end(0, "length")
         if search.done:
             self._free(index)
+            self.drafts_proposed += search.proposed
+            self.drafts_accepted += search.accepted
             self._send(request, Finished(search.reasons[0], len(request.prompt), len(row.generated)))
+            return None
+        row.pending = [token]
+        return chosen

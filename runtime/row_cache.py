@@ -12,6 +12,13 @@ binds rows [0, n), a prefill binds one row, and nothing is copied between steps.
 The cache keeps the slot bookkeeping too: the clock, where each running row's tokens begin, what pruning has
 dropped from them, and the moves that make room (a new prompt placed before the clock, the rows moved to the
 front at the end of the buffers). The engine decides which requests run; the cache, where their tokens lie.
+
+With speculative decoding a step writes several slots of every row (a token and the drafts after it), and rows
+keep different counts of them: the slots a row does not keep become holes, masked out with their gates zero,
+which leaves the row exact (a hole is no position for RoPE, and adds nothing to the gate sums across it), until
+the rows are moved to the front, holes squeezed out. A model that shifts tokens holds the state after a step's
+last token only, so a row that keeps fewer goes back to the state before the step, all its slots holes, and its
+next step feeds the kept tokens again (`keep`).
 """
 
 from __future__ import annotations
@@ -41,6 +48,9 @@ class RowCache:
         # A prompt's state between its chunks, out of the rows' buffers, which the decode steps between chunks rewrite
         self.scratch = {past: (self._zeros(past, 1), self._zeros(past, 1)) for past, _ in self.shifted}
         self.clock = 0  # the slot the next decode step writes, in every row
+        self.pruned_at = 0  # the clock when the running rows were last pruned
+        self.holes = np.zeros((rows, self.length), dtype=bool)  # slots a running row does not keep (see `keep`)
+        self.stale = False  # a step of several tokens traded the shift states' buffers: bind the steps again
         self.running: dict[int, np.ndarray | None] = {}  # decoding rows: pruning's thresholds (None: keep every key)
         self.begins = np.zeros(rows, dtype=np.int64)  # a row's first kept slot (placed: its prompt's first)
         self.dropped = np.zeros(rows, dtype=np.int64)  # a running row's oldest positions that pruning dropped
@@ -64,24 +74,47 @@ class RowCache:
         read from one buffer and written to the other, the two bindings reading them from opposite ones. A row
         that leaves the steps is free: its shift state is not kept (a request that joins brings its own, see
         `bind_row`)."""
-        if not fresh:
-            return
-        for target, ahead in ((binding, False), (following, True)):
-            for past, present in self.slotted:
-                self._bind(target.bind_input, past, past, self.buffers[past], 0, rows)
-                self._bind(target.bind_output, present, past, self.buffers[past], 0, rows)
-            for past, present in self.shifted:
-                read, written = (
-                    (self.spare[past], self.buffers[past]) if ahead else (self.buffers[past], self.spare[past])
-                )
-                self._bind(target.bind_input, past, past, read, 0, rows)
-                self._bind(target.bind_output, present, past, written, 0, rows)
+        if fresh or self.stale:
+            self.bind(binding, rows)
+            self.bind(following, rows, ahead=True)
+            self.stale = False
 
-    def advance(self, outputs: list[ort.OrtValue] | None = None) -> None:
-        """After a decode step: the clock moves on, and the spares hold the shift states now."""
-        self.clock += 1
+    def bind(self, binding: ort.IOBinding, rows: int, ahead: bool = False) -> None:
+        """Rows [0, rows) of every tensor, for the next run (`ahead`: the run after it, the shift states' buffers
+        trading roles between)."""
+        for past, present in self.slotted:
+            self._bind(binding.bind_input, past, past, self.buffers[past], 0, rows)
+            self._bind(binding.bind_output, present, past, self.buffers[past], 0, rows)
+        for past, present in self.shifted:
+            read, written = (self.spare[past], self.buffers[past]) if ahead else (self.buffers[past], self.spare[past])
+            self._bind(binding.bind_input, past, past, read, 0, rows)
+            self._bind(binding.bind_output, present, past, written, 0, rows)
+
+    def advance(self, outputs: list[ort.OrtValue] | None = None, width: int = 1) -> None:
+        """After a decode step of `width` tokens a row: the clock moves on, and the spares hold the shift states now
+        (a step of several, bound by `bind`, leaves the decode steps' own bindings stale)."""
+        self.clock += width
+        self.stale |= width > 1
         for past, _ in self.shifted:
             self.buffers[past], self.spare[past] = self.spare[past], self.buffers[past]
+
+    def keep(self, row: int, kept: int, width: int) -> int:
+        """Of the latest step's `width` slots of `row`, keep the first `kept`; the others become holes. Where the model
+        shifts tokens and some are not kept, the row goes back to its state before the step, and every slot of the
+        step is a hole: returns how many tokens the row's next step must feed again first (else 0)."""
+        if kept >= width:
+            return 0
+        again = kept if self.shifted else 0
+        first = self.clock - width + (0 if again else kept)
+        self.holes[row, first : self.clock] = True
+        for past in self.gate_names:
+            with buffers.on_host(self.buffers[past], "float32", self.device) as host:
+                host[row, :, first : self.clock] = 0
+        for past, _ in self.shifted:  # the step read the spare's state and wrote the current buffer's
+            host = buffers.to_host(self.spare[past], self.dtypes[past])[row].copy()
+            with buffers.on_host(self.buffers[past], self.dtypes[past], self.device) as state:
+                state[row] = host
+        return again
 
     def bind_row(self, binding: ort.IOBinding, row: int, chunk: int, chunks: int, resumed: bool = False) -> None:
         """Chunk `chunk` of `chunks` of a prompt prefilled into `row` alone, with decode steps of the other rows
@@ -150,11 +183,13 @@ class RowCache:
         for past, _ in self.slotted:
             with buffers.on_host(self.buffers[past], self.dtypes[past], self.device) as host:
                 buffers.move_slots(host, rows, begin, end, to)
+        self.holes[np.ix_(rows, range(to, to + end - begin))] = self.holes[np.ix_(rows, range(begin, end))]
 
     def join(self, row: int, thresholds: np.ndarray | None) -> None:
         """`row`, its prompt prefilled, decodes from now on, pruned by `thresholds` (`[layers, heads]`, see
         runtime/pruning.py; None: every key kept)."""
         self.running[row], self.dropped[row] = thresholds, 0
+        self.holes[row] = False
 
     def leave(self, row: int) -> None:
         self.running.pop(row, None)
@@ -166,7 +201,7 @@ class RowCache:
         slots more, do not fit."""
         rows = sorted(self.running)
         if not rows:
-            self.clock = 0
+            self.clock = self.pruned_at = 0
         elif self.clock + chunks > self.length:  # it would end past the cache: the running rows move up first
             self._compact()
         end = max(self.clock + chunks, length)
@@ -193,12 +228,13 @@ class RowCache:
         mask[:, begin:] = 1
         return begin + first, mask
 
-    def before_step(self) -> list[tuple[int, PruningError]]:
-        """Make room for a decode step: at the end of the cache, drop what pruning allows and move the running rows
-        to the front, and while that leaves no room, the row that holds the most slots leaves (returned, with the
-        error naming the head that needs them); otherwise prune every PRUNE_EVERY slots."""
-        if self.clock < self.length:
-            if self.clock % PRUNE_EVERY == 0:
+    def before_step(self, width: int = 1) -> list[tuple[int, PruningError]]:
+        """Make room for a decode step of `width` tokens a row (fewer fit only at the end of the cache, see `room`):
+        there, drop what pruning allows and move the running rows to the front, and while that leaves no room for
+        one, the row that holds the most slots leaves (returned, with the error naming the head that needs them);
+        otherwise prune every PRUNE_EVERY slots."""
+        if self.clock + width <= self.length:
+            if self.clock - self.pruned_at >= PRUNE_EVERY:
                 self._prune()
             return []
         failed = []
@@ -212,22 +248,25 @@ class RowCache:
             self.leave(row)
         return failed
 
-    def prepare_step(self, rows: int) -> tuple[int, np.ndarray]:
-        """Before a decode step over rows [0, rows) (after `before_step`): the slot it writes, the clock, and its
-        attention mask."""
-        return self.clock, self._step_mask(rows)
+    @property
+    def room(self) -> int:
+        """The tokens a row the next step may write (after `before_step`)."""
+        return self.length - self.clock
 
-    def _step_mask(self, count: int) -> np.ndarray:
-        """A decode step's attention mask over rows [0, count) `[count, clock + 1]`: a running row attends its
-        slots from its first kept one, which also counts the positions dropped before it (so that RoPE positions
-        count them, as DeviceCache.window_mask does); any other row attends its own slot alone."""
-        begins = np.full(count, self.clock, dtype=np.int64)
-        dropped = np.zeros(count, dtype=np.int64)
-        rows = [row for row in self.running if row < count]
-        begins[rows], dropped[rows] = self.begins[rows], self.dropped[rows]
-        mask = (np.arange(self.clock + 1) >= begins[:, None]).astype(np.int64)
-        mask[np.arange(count), begins] += dropped
-        return mask
+    def prepare_step(self, rows: int, width: int = 1) -> tuple[int, np.ndarray]:
+        """Before a decode step of `width` tokens a row over rows [0, rows) (after `before_step`): the slot its first
+        writes, the clock, and its attention mask `[rows, clock + width]`. A running row attends its slots from its
+        first kept one but its holes, and that first kept slot also counts the positions dropped before it (so that
+        RoPE positions count them, as DeviceCache.window_mask does); any other row attends its own slots alone."""
+        mask = np.zeros((rows, self.clock + width), dtype=np.int64)
+        mask[:, self.clock :] = 1
+        for row in self.running:
+            if row < rows:
+                begin = int(self.begins[row])
+                kept = ~self.holes[row, begin : self.clock]
+                mask[row, begin : self.clock] = kept
+                mask[row, begin + int(kept.argmax()) if kept.any() else self.clock] += self.dropped[row]
+        return self.clock, mask
 
     def _prune(self) -> dict[int, np.ndarray]:
         """Drop each pruned row's oldest slots that every head of every layer allows (they fall out of its mask,
@@ -237,16 +276,25 @@ class RowCache:
         for row, thresholds in self.running.items():
             if thresholds is None:
                 continue
-            needs[row] = needed_slots(self.gates(row, int(self.begins[row]), self.clock), thresholds)
-            drop = self.clock - int(self.begins[row]) - int(needs[row].max())
+            begin = int(self.begins[row])
+            needs[row] = needed_slots(self.gates(row, begin, self.clock), thresholds)  # holes' gates are zero
+            drop = self.clock - begin - int(needs[row].max())
             self.begins[row] += drop
-            self.dropped[row] += drop
+            self.dropped[row] += drop - int(self.holes[row, begin : begin + drop].sum())  # a hole is no position
+        self.pruned_at = self.clock
         return needs
 
     def _compact(self) -> None:
-        """Move every running row's slots to the front."""
-        rows = sorted(self.running)
-        start = int(self.begins[rows].min())
-        self.move(rows, start, self.clock, 0)
-        self.begins[rows] -= start
-        self.clock -= start
+        """Move every running row's kept slots to the front, its holes squeezed out, each row's last at the new clock:
+        what a slot is to a row (its RoPE position, the gates after it) holds, since a hole counts for neither."""
+        kept = {row: np.flatnonzero(~self.holes[row, self.begins[row] : self.clock]) + self.begins[row]
+                for row in self.running}  # fmt: skip
+        end = max(map(len, kept.values()))
+        for past, _ in self.slotted:
+            with buffers.on_host(self.buffers[past], self.dtypes[past], self.device) as host:
+                for row, slots in kept.items():
+                    host[row, :, end - len(slots) : end] = host[row][:, slots]
+        for row, slots in kept.items():
+            self.begins[row] = end - len(slots)
+        self.holes[list(kept)] = False
+        self.clock = self.pruned_at = end

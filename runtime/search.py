@@ -110,10 +110,12 @@ class Search:
             taken.append((row, token, self.reasons[row] is not None))
         return taken
 
-    def drafts(self) -> np.ndarray:
+    def drafts(self, room: int | None = None) -> np.ndarray:
         """The tokens to verify after each row's latest `[rows, d]`: as many as every running row's guesser has, within
-        the budget and the room max_new_tokens leaves to choose; padding for a row that has ended."""
+        the budget, the room max_new_tokens leaves to choose, and `room` (None: any); padding for a row that has
+        ended."""
         most = min(self.budget, self.config.max_new_tokens - self.steps - 1)  # d drafts choose up to d + 1 tokens
+        most = most if room is None else min(most, room)
         if self.guessers is None or most < 1:
             self.latest, self.drawn_from = self.no_drafts, ()
             return self.no_drafts
@@ -138,9 +140,11 @@ class Search:
         if index >= drafts.shape[1]:
             if index:  # the run's drafts were all chosen
                 self.budget = min(self.budget + 2, self.config.speculative.tokens)
+            self.latest, self.drawn_from = self.no_drafts, ()  # judged: the next choice verifies none of them
             return False
         if not (chosen[self.took] == drafts[self.took, index]).all():
             self.budget = max(self.budget - 1, 1)
+            self.latest, self.drawn_from = self.no_drafts, ()
             return False
         self.accepted += 1
         return not self.done

@@ -10,6 +10,7 @@ import sys
 from runtime.artifact import ArtifactError
 from runtime.drain import DEFAULT_GRACE_S
 from runtime.engine import PREFILL_BUDGET, PREFIX_CACHE_MB
+from runtime.proposers import add_speculative_arguments
 from runtime.pruning import describe
 
 
@@ -43,6 +44,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="memory for recent prompts' prefixes, by whole prefill chunks: a prompt that begins like one of them is "
         "prefilled from there (0: off; default: %(default)s)",
     )  # fmt: skip
+    add_speculative_arguments(parser)
     parser.add_argument(
         "--shutdown-grace", type=float, default=DEFAULT_GRACE_S, metavar="SECONDS",
         help="on SIGTERM or SIGINT, refuse new requests (503) and let those in flight finish for up to this long, "
@@ -73,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     options = ServeOptions(args.artifact, args.max_batch, args.max_queue, args.timeout, args.model_name, args.provider,
                            args.threads, args.api_key, args.max_body_bytes, args.prefill_budget,
-                           args.prefix_cache_mb, args.shutdown_grace)  # fmt: skip
+                           args.prefix_cache_mb, args.shutdown_grace, args.speculative, args.draft_tokens,
+                           args.lookup_ngram)  # fmt: skip
     try:
         options.check()
         if args.replicas < 1 or args.replica_cpus < 0:
@@ -88,8 +91,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     state = app.state.kvg
     generator = state.engine.generator
+    speculating = f", speculative decoding by {args.speculative}" if args.speculative else ""
     print(f"kvg-serve: {options.name} on {generator.artifact.device.upper()}, {args.max_batch} rows, "
-          f"{describe(generator.pruning)}, http://{args.host}:{args.port}/v1", file=sys.stderr)  # fmt: skip
+          f"{describe(generator.pruning)}{speculating}, http://{args.host}:{args.port}/v1",
+          file=sys.stderr)  # fmt: skip
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
     DrainingServer(config, state.drain, state.engine.close).run()
     print(f"kvg-serve: {state.drain.summary()}", file=sys.stderr)

@@ -40,6 +40,8 @@ from runtime.engine import PREFILL_BUDGET, PREFIX_CACHE_MB, Engine, check_servab
 from runtime.generator import GenerationConfig, Generator
 from runtime.http_guard import HttpGuard, body_limit, error_body
 from runtime.logprobs import MAX_TOP
+from runtime.prompt_lookup import PromptLookup
+from runtime.proposers import check_choice, proposer
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
 
@@ -141,6 +143,10 @@ def _measure(state: ServerState) -> None:
     if engine.prefixes is not None:
         metrics.prefix_hit_rate.set_function(lambda: engine.prefixes.hit_rate)
         metrics.prefix_bytes.set_function(lambda: engine.prefixes.held_bytes)
+    if engine.speculative is not None:
+        metrics.drafts_proposed.set_function(lambda: engine.drafts_proposed)
+        metrics.drafts_accepted.set_function(lambda: engine.drafts_accepted)
+        metrics.draft_acceptance.set_function(lambda: engine.drafts_accepted / max(engine.drafts_proposed, 1))
 
 
 def _answer_errors(app: FastAPI, state: ServerState) -> None:
@@ -234,6 +240,9 @@ class ServeOptions:
     prefill_budget: int = PREFILL_BUDGET  # prompt tokens prefilled between two decode steps
     prefix_cache_mb: int = PREFIX_CACHE_MB  # memory for recent prompts' prefixes (0: no prefix cache)
     shutdown_grace_s: float = DEFAULT_GRACE_S  # how long a signal's drain lets requests in flight finish
+    speculative: str | None = None  # "ngram" or a draft artifact's folder: every request speculates (None: none)
+    draft_tokens: int | None = None  # the most drafts a step verifies (None: the proposer's default)
+    lookup_ngram: int = PromptLookup.ngram
 
     @property
     def name(self) -> str:
@@ -249,12 +258,16 @@ class ServeOptions:
             raise ArtifactError("--prefill-budget must be >= 1 and --prefix-cache-mb >= 0")
         if self.shutdown_grace_s < 0:
             raise ArtifactError("--shutdown-grace must be >= 0 seconds")
+        if self.speculative is not None:
+            check_choice(self.speculative)
         folder = Path(self.artifact)
         check_servable(folder, read_manifest(folder), self.max_batch)
 
 
 def open_app(options: ServeOptions) -> FastAPI:
-    generator = Generator.open(options.artifact, SessionOptions(options.provider, options.threads))
+    sessions = SessionOptions(options.provider, options.threads)
+    generator = Generator.open(options.artifact, sessions)
+    speculative = proposer(options.speculative, options.draft_tokens, options.lookup_ngram, sessions)
     engine = Engine(generator, options.max_batch, options.max_queue, options.timeout_s, options.prefill_budget,
-                    options.prefix_cache_mb << 20)  # fmt: skip
+                    options.prefix_cache_mb << 20, speculative)  # fmt: skip
     return create_app(engine, options.name, options.api_key, options.max_body_bytes, Drain(options.shutdown_grace_s))

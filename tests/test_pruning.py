@@ -301,6 +301,22 @@ def test_the_serving_engine_prunes_each_row_past_its_slots(artifacts):
         assert tokens == Generator.open(exact, CPU).generate([row], config).tokens[0]
 
 
+@pytest.mark.parametrize("preset", ["fox-gqa-tiny", "fox-pro-tiny"])
+def test_the_serving_engine_prunes_speculating_rows_by_their_kept_tokens_alone(artifacts, preset):
+    """Two requests at once through SLOTS slots, verifying drafts right at most positions, each row keeping its own
+    count of them: rejected drafts' slots are holes (or, with FoX-Pro's shift states, the row feeds its kept tokens
+    again), which pruning, the RoPE positions and the compaction at the end of the cache must see through."""
+    model, static, _, exact = artifacts(preset)
+    config = GenerationConfig(max_new_tokens=NEW, min_new_tokens=NEW)
+    rows = [prompt[:40] for prompt in prompts(model.config.vocab_size, batch=2)]
+    alone = [Generator.open(exact, CPU).generate([row], config).tokens[0] for row in rows]
+    right = Scripted.of(rows, alone, lambda row, position: (position + 3 * row) % 7 != 3, model.config.vocab_size)
+    got = serve(Generator.open(static, CPU), [(row, dataclasses.replace(config, speculative=right)) for row in rows])
+    for (tokens, end), expected in zip(got, alone, strict=True):
+        assert isinstance(end, Finished) and end.completion_tokens == NEW
+        assert tokens == expected
+
+
 @pytest.fixture(scope="module")
 def unforgetting(tmp_path_factory):
     """A pruned static artifact of SLOTS slots whose head 3 forgets nothing."""

@@ -10,7 +10,6 @@ from test_chunked_prefill import assert_float32_close
 
 from runtime import cli
 from runtime.artifact import ArtifactError, SessionOptions
-from runtime.engine import Engine
 from runtime.generator import GenerationConfig, Generator
 from runtime.prompt_lookup import PromptLookup
 from runtime.sampling import SamplingConfig
@@ -126,10 +125,3 @@ def test_bad_speculation_settings_are_refused_naming_them(exported, capsys):
     gqa = Generator.open(exported("fox-tiny", "dynamic", attention="gqa")[0].path, CPU)
     with pytest.raises(ArtifactError, match="GroupQueryAttention takes for one row only"):
         gqa.generate([[5, 6], [7, 8]], GenerationConfig(speculative=PromptLookup()))
-    static = Generator.open(exported("fox-tiny", "static")[0].path, CPU)
-    engine = Engine(static, max_batch=1)
-    try:
-        with pytest.raises(ArtifactError, match="speculative decoding runs in the Generator"):
-            engine.check([5, 6, 7], GenerationConfig(speculative=PromptLookup()))
-    finally:
-        engine.close()

@@ -1,0 +1,44 @@
+"""What `--speculative` names, for kvg-generate and kvg-serve alike: prompt lookup ("ngram") or a draft artifact."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from runtime.artifact import ArtifactError, SessionOptions
+from runtime.draft_model import DraftModel
+from runtime.prompt_lookup import PromptLookup
+
+
+def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--speculative", metavar="ngram|DRAFT_ARTIFACT",
+        help="guess the next tokens and verify them in one run: the same tokens (the same distribution when "
+        "sampling), sooner where the guesses are right. ngram: by prompt lookup (the latest n tokens found earlier "
+        "in the text); a folder: with that smaller artifact of the same tokenizer (a draft model, each prompt "
+        "drafted for alone)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--draft-tokens", type=int,
+        help=f"most guesses a run verifies (default {PromptLookup.tokens} for ngram, {DraftModel.tokens} for a draft)",
+    )  # fmt: skip
+    parser.add_argument("--lookup-ngram", type=int, default=PromptLookup.ngram, help="longest n-gram looked up")
+
+
+def check_choice(choice: str) -> None:
+    """Refuse a --speculative that is neither, before anything is loaded."""
+    if choice != "ngram" and not Path(choice, "kvg_config.json").is_file():
+        raise ArtifactError(f"--speculative takes ngram or a folder made by kvg-export; {choice!r} is neither")
+
+
+def proposer(
+    choice: str | None, tokens: int | None, ngram: int, options: SessionOptions
+) -> PromptLookup | DraftModel | None:  # fmt: skip
+    """The guesser --speculative `choice` names (None: none), verifying up to `tokens` (None: its default) a
+    run; a draft artifact runs on the target's `options`."""
+    if choice is None:
+        return None
+    check_choice(choice)
+    if choice == "ngram":
+        return PromptLookup(PromptLookup.tokens if tokens is None else tokens, ngram)
+    return DraftModel.open(choice, options, DraftModel.tokens if tokens is None else tokens)
