@@ -9,14 +9,16 @@ from dataclasses import replace
 import httpx
 import pytest
 from scripted_drafts import Scripted
-from test_engine import CPU, Arrivals, schedule
+from test_engine import CPU, Arrivals, Collector, schedule
 from test_serve import metric, run_cli, serving
 
 from runtime.artifact import ArtifactError
+from runtime.draft_model import DraftModel
 from runtime.engine import Engine, Finished
 from runtime.generator import GenerationConfig, Generator
 from runtime.prompt_lookup import PromptLookup
 from runtime.row_cache import RowCache
+from runtime.sampling import SamplingConfig
 
 # (preset, attention): shift states or none, through the fused operator and the portable graph
 KINDS = [("fox-pro-tiny", "auto"), ("fox-pro-tiny", "standard"), ("fox-tiny", "auto")]
@@ -87,3 +89,22 @@ def test_kvg_serve_refuses_a_speculative_that_names_nothing(exported):
     static = exported("fox-tiny", "static")[0].path
     refused = run_cli(str(static), "--speculative", str(static.parent / "nowhere"), "--provider", "cpu")
     assert refused.wait(60) == 2 and "--speculative takes ngram or a folder made by kvg-export" in refused.stderr.read()
+
+
+def test_a_draft_model_drafts_for_each_request_in_the_engine(exported):
+    """fox-tiny's dynamic artifact drafting for its static one (the same weights): each request's draft keeps a
+    cache of its own and every guess is kept. Greedy, the tokens are the requests' alone; sampled (where speculative
+    sampling's draws are not plain decoding's), those the Generator draws with the same draft and seed."""
+    target = Generator.open(exported("fox-tiny", "static")[0].path, CPU)
+    draft = DraftModel(Generator.open(exported("fox-tiny", "dynamic")[0].path, CPU), tokens=3)
+    sampled = GenerationConfig(30, 30, sampling=SamplingConfig(0.9, 20, seed=4))
+    requests = [([5, 6, 7], GenerationConfig(30, 30)), ([8, 9], GenerationConfig(24, 24)), ([10, 11, 12], sampled)]
+    expected = [target.generate([prompt], config).tokens[0] for prompt, config in requests[:2]]
+    expected.append(target.generate([requests[2][0]], replace(sampled, speculative=draft)).tokens[0])
+    engine, got = Engine(target, 3, speculative=draft), Collector(len(requests))
+    for index, (prompt, config) in enumerate(requests):
+        engine.submit(prompt, config, got.emit(index))
+    got.wait(len(requests))
+    engine.close()
+    assert [got.tokens[i] for i in range(len(requests))] == expected
+    assert 0 < engine.drafts_accepted == engine.drafts_proposed
