@@ -8,7 +8,7 @@ token's projections. Operations are written once per layer (`cache_layers.py`) a
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -36,6 +36,11 @@ class GatedCache:
         self.layer_factory = layer_factory
         self.offloading = offloading
         self._prefetch_stream: torch.cuda.Stream | None = None
+        # Where a cache of shift states can go back to (see `checkpoint`): a length and each layer's shift states
+        # there; the tokens fed since; and the tokens a crop left for the next run to feed again (see `crop`)
+        self.kept: tuple[int, list[tuple[torch.Tensor | None, torch.Tensor | None]]] | None = None
+        self.fed: list[torch.Tensor] = []
+        self.again: torch.Tensor | None = None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(layers={self.layers})"
@@ -147,7 +152,11 @@ class GatedCache:
         self.layers[layer_idx].offload()
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """How many positions the layer holds (for a static cache: one past the highest written position)."""
+        """How many positions the layer holds (for a static cache: one past the highest written position), counting
+        those a crop left to feed again: the positions a caller has fed."""
+        return self._held(layer_idx) + (0 if self.again is None else self.again.shape[1])
+
+    def _held(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].get_seq_length() if layer_idx < len(self.layers) else 0
 
     def get_mask_sizes(self, cache_position: torch.Tensor, layer_idx: int = 0) -> tuple[int, int]:
@@ -163,22 +172,82 @@ class GatedCache:
     def reset(self) -> None:
         for layer in self.layers:
             layer.reset()
+        self.kept, self.fed, self.again = None, [], None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         for layer in self.layers:
             layer.reorder_cache(beam_idx)
+        self._rows_changed(lambda tokens: tokens.index_select(0, beam_idx.to(tokens.device)))
+
+    def checkpoint(self) -> None:
+        """Keep the length and shift states as they are, for `crop` to go back to: a run's shift states are those
+        after its last token, so a crop among the tokens fed since (see `feed`) can only start again from here.
+        The states are copied, as a static cache overwrites its own."""
+        states = [
+            tuple(None if state is None else state.clone() for state in (layer.key_shift, layer.value_shift))
+            for layer in self.layers
+        ]
+        self.kept, self.fed = (self._held(), states), []
+
+    def feed(self, tokens: torch.Tensor) -> None:
+        """Record a run's tokens `[batch, seq]` into a cache of shift states, keeping the states first where none
+        are kept: on an empty cache and on the first run since a crop, as no crop of assisted decoding goes back
+        further than that."""
+        if self.kept is None:
+            self.checkpoint()
+        self.fed.append(tokens)
+
+    def take_again(self) -> torch.Tensor | None:
+        """The tokens `[batch, n]` a crop left to feed again (see `crop`), which the caller now feeds before its
+        own, at the n positions before those `get_seq_length` counts."""
+        again, self.again = self.again, None
+        return again
 
     def crop(self, max_length: int) -> None:
-        for layer in self.layers:
-            layer.crop(max_length)
+        """Keep the first `max_length` positions (negative: drop that many from the end). Where the layers hold
+        shift states (after the latest run's last token) and the new end lies among the runs since the checkpoint,
+        the cache goes back to the checkpoint's length and states, and the tokens from there to the new end are left
+        for the next run to feed again (`take_again`): the length the caller sees is `max_length` all the same."""
+        kept, self.kept = self.kept, None  # the next run keeps the states anew, where the next crop comes back to
+        if not any(layer.has_shift for layer in self.layers):
+            for layer in self.layers:
+                layer.crop(max_length)
+            return
+        held, length = self._held(), self.get_seq_length()
+        keep = max(length + max_length, 0) if max_length < 0 else max_length
+        if keep >= length:
+            return
+        if keep >= held:  # no run since the latest crop: fewer tokens to feed again
+            self.again = self.again[:, : keep - held] if keep > held else None
+            return
+        if kept is None or keep < kept[0]:
+            where = "no earlier ones are kept" if kept is None else f"earlier ones are kept only at {kept[0]}"
+            raise ValueError(
+                f"cannot crop to {keep} positions a cache that holds key/value shift states: a run leaves those "
+                f"after its last token, and {where} (see GatedCache.checkpoint); re-run the prompt up to the crop "
+                "point into a new cache instead"
+            )
+        start, states = kept
+        del self.layers[len(states) :]  # layers that were not there yet held nothing
+        for layer, shift in zip(self.layers, states, strict=True):
+            layer.crop(start, shift)
+        self.again = torch.cat(self.fed, dim=1)[:, : keep - start] if keep > start else None
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         for layer in self.layers:
             layer.batch_repeat_interleave(repeats)
+        self._rows_changed(lambda tokens: tokens.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         for layer in self.layers:
             layer.batch_select_indices(indices)
+        self._rows_changed(lambda tokens: tokens[indices])
+
+    def _rows_changed(self, rows: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """The kept states are of the old rows: the next run keeps them anew. Tokens to feed again follow the rows."""
+        self.kept, self.fed = None, []
+        if self.again is not None:
+            self.again = rows(self.again)
 
     @property
     def max_batch_size(self) -> int:

@@ -174,7 +174,9 @@ class GatedLayer(ABC):
     def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]: ...
 
     @abstractmethod
-    def crop(self, max_length: int) -> None: ...
+    def crop(self, max_length: int, shift: tuple[torch.Tensor | None, torch.Tensor | None] | None = None) -> None:
+        """Keep the first `max_length` positions (negative: drop that many from the end). A layer holds only the
+        latest token's shift states, so one that holds them must be given `shift`, the states after the new end."""
 
     def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         for name in TENSOR_FIELDS:
@@ -182,17 +184,18 @@ class GatedLayer(ABC):
             if tensor is not None:
                 setattr(self, name, fn(tensor))
 
-    def _resolve_crop_length(self, max_length: int) -> int | None:
-        """The length a crop keeps, or None when nothing is cut; refuses to crop away a shift state."""
+    def _resolve_crop_length(self, max_length: int, shift: tuple | None) -> int | None:
+        """The length a crop keeps, or None when nothing is cut; refuses to crop away a shift state it is not given
+        again."""
         length = self.get_seq_length()
         if max_length < 0:
             max_length = max(length + max_length, 0)
         if length <= max_length:
             return None
-        if self.has_shift:
+        if self.has_shift and shift is None:
             raise ValueError(
-                "cannot crop a cache that holds key/value shift states: the projection of the token before the "
-                "new end is not kept; re-run the prompt up to the crop point instead"
+                "cannot crop a cache that holds key/value shift states without the states after the new end: the "
+                "projection of the token before it is not kept; re-run the prompt up to the crop point instead"
             )
         return max_length
 
@@ -275,14 +278,15 @@ class DynamicLayer(GatedLayer):
     def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
         return self.get_seq_length() + cache_position.shape[0], 0
 
-    def crop(self, max_length: int) -> None:
-        """Keep the first `max_length` positions (negative: drop that many from the end)."""
-        keep = self._resolve_crop_length(max_length)
+    def crop(self, max_length: int, shift=None) -> None:
+        keep = self._resolve_crop_length(max_length, shift)
         if keep is None:
             return
         self.keys = self.keys[..., :keep, :]
         self.values = self.values[..., :keep, :]
         self.gates = self.gates[..., :keep]
+        if shift is not None:
+            self.key_shift, self.value_shift = shift
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._map(lambda t: t.repeat_interleave(repeats, dim=0))
@@ -423,15 +427,17 @@ class StaticLayer(GatedLayer):
             if tensor is not None:
                 tensor.copy_(tensor.index_select(0, beam_idx.to(tensor.device)))
 
-    def crop(self, max_length: int) -> None:
-        """Forget every position from `max_length` on (negative: drop that many from the end)."""
-        keep = self._resolve_crop_length(max_length)
+    def crop(self, max_length: int, shift=None) -> None:
+        """Forget every position from `max_length` on; the shift states are written into their buffers."""
+        keep = self._resolve_crop_length(max_length, shift)
         if keep is None:
             return
         self.keys[..., keep:, :].zero_()
         self.values[..., keep:, :].zero_()
         self.gates[..., keep:].zero_()
         self.filled = keep
+        if shift is not None:
+            self.update_shift(*shift)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         raise ValueError("a static cache has a fixed batch; build it with the repeated batch size instead")

@@ -7,7 +7,9 @@ session by address (IOBinding), so nothing goes through host memory between step
 - a static artifact's keys, values and gates are one buffer each, bound as past and present, which the
   graph writes in place; its shift states are copied back into their buffers after each step;
 - a dynamic artifact's presents are new tensors, `past + seq` long, that become the next step's pasts.
-Beam search reorders the cache's tensors (`reorder_cache`), as it does the eager model's.
+Beam search reorders the cache's tensors (`reorder_cache`), as it does the eager model's. Assisted decoding
+(`prompt_lookup_num_tokens`, `assistant_model`) crops the cache after each round; a FoX-Pro cache then feeds the
+tokens a crop cannot keep again (see `GatedCache.crop`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ ATTRIBUTES = {"key": "keys", "value": "values", "gate": "gates", "key_shift": "k
               "value_shift": "value_shift"}  # fmt: skip
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CONTRACT_DTYPES = {torch_dtype: name for name, torch_dtype in TORCH_DTYPES.items()} | {torch.int64: "int64"}
+# Tokens a crop left to feed again beyond which they run on their own before the caller's, so that the shift states
+# are kept after them: else, while rounds refuse drafts, each would feed all since the first of them again (after a
+# refused first round, the prompt)
+REFEED_ALONE = 16
 
 
 class OnnxFoxForCausalLM(PreTrainedModel, GenerationMixin):
@@ -45,6 +51,7 @@ class OnnxFoxForCausalLM(PreTrainedModel, GenerationMixin):
         # The fields a run gives new tensors for: all of them on a dynamic cache, the shift states on a static one
         # (its keys, values and gates are written where they lie)
         self.written_fields = [f for f in self.fields if not artifact.static or f.endswith("shift")]
+        self.shift = [ATTRIBUTES[f] for f in self.fields if f.endswith("shift")]
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, provider: str = "auto", threads: int = 0):
@@ -86,10 +93,11 @@ class OnnxFoxForCausalLM(PreTrainedModel, GenerationMixin):
             return DynamicCache()
         config = self.config
         cache = StaticCache(config.num_hidden_layers, self.artifact.manifest["cache"]["max_cache_len"], rows)
-        shift = [ATTRIBUTES[f] for f in self.fields if f.endswith("shift")]
         cache.early_initialization(
-            rows, config.kv_heads, config.num_heads, config.head_dim, self.dtype, self.device, shift=shift
+            rows, config.kv_heads, config.num_heads, config.head_dim, self.dtype, self.device, shift=self.shift
         )
+        for layer in cache.layers:  # a session runs it, never torch.compile; transformers' assisted decoding
+            layer.is_compileable = False  # refuses compileable layers
         return cache
 
     def forward(
@@ -106,7 +114,8 @@ class OnnxFoxForCausalLM(PreTrainedModel, GenerationMixin):
         attention window of a static cache), the cache (a new one when None) and the new tokens' slots. A longer
         input runs in chunks of PREFILL_CHUNK tokens, as the eager model and the runtime prefill, so no run holds
         more than a chunk's attention terms. `logits_to_keep` n > 0 (generate() passes 1) returns the last n
-        positions' logits only, and the graph computes no others where it can (see exporters/passes/last_logits.py)."""
+        positions' logits only, and the graph computes no others where it can (see exporters/passes/last_logits.py).
+        Tokens a crop left to feed again (see `GatedCache.crop`) go first, and their logits are not returned."""
         batch, seq = input_ids.shape
         cache = past_key_values if past_key_values is not None else self.new_cache(batch)
         filled = cache.get_seq_length()
@@ -114,6 +123,23 @@ class OnnxFoxForCausalLM(PreTrainedModel, GenerationMixin):
             cache_position = torch.arange(filled, filled + seq)
         if attention_mask is None:
             attention_mask = torch.ones(batch, filled + seq, dtype=torch.long)
+        again = cache.take_again()
+        if again is not None:
+            slots = torch.arange(filled - again.shape[1], filled, device=cache_position.device)
+            if again.shape[1] > REFEED_ALONE:  # a run of their own, after which the states are kept
+                self._feed(again, attention_mask[:, :filled], cache, slots, 1)
+                cache.checkpoint()
+            else:
+                input_ids, cache_position = torch.cat([again, input_ids], dim=1), torch.cat([slots, cache_position])
+                logits_to_keep = logits_to_keep or seq
+        logits = self._feed(input_ids, attention_mask, cache, cache_position, logits_to_keep)
+        return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
+
+    def _feed(self, input_ids, attention_mask, cache: GatedCache, cache_position, logits_to_keep: int) -> torch.Tensor:
+        """Run `input_ids` by chunks (see `forward`), recorded in a cache of shift states for a crop to feed again."""
+        if self.shift:
+            cache.feed(input_ids)
+        seq = input_ids.shape[1]
         if seq <= PREFILL_CHUNK:  # a decode step: no slicing, and no read of a device position back to the host
             logits = self._chunk(input_ids, attention_mask, cache, cache_position, self._kept(logits_to_keep, seq, seq))
         else:
@@ -124,8 +150,7 @@ class OnnxFoxForCausalLM(PreTrainedModel, GenerationMixin):
                 kept = self._kept(logits_to_keep, seq - begin, len(slots))
                 logits.append(self._chunk(input_ids[:, begin : begin + PREFILL_CHUNK], mask, cache, slots, kept))
             logits = torch.cat(logits, dim=1)
-        return CausalLMOutputWithPast(logits=logits[:, -logits_to_keep:] if logits_to_keep else logits,
-                                      past_key_values=cache)  # fmt: skip
+        return logits[:, -logits_to_keep:] if logits_to_keep else logits
 
     def _kept(self, logits_to_keep: int, left: int, chunk: int) -> int:
         """The logits_to_keep a chunk's run is fed when the last `logits_to_keep` of the input are asked for and

@@ -139,6 +139,31 @@ def test_crop_refuses_to_drop_a_shift_state_it_cannot_rebuild():
         cache.crop(6)  # nothing to cut: fine
 
 
+def test_crop_among_runs_since_a_checkpoint_goes_back_to_it_and_leaves_their_tokens_to_feed_again():
+    """A run leaves the shift states after its last token: a crop among the runs fed since a checkpoint goes back to
+    the checkpoint's length and states, and the caller sees the length it asked for; before the checkpoint, it
+    refuses."""
+    tokens = torch.arange(BATCH * 5).view(BATCH, 5)
+    for cache in (DynamicCache(), StaticCache(1, 8)):
+        cache.update(*states(2), 0, at(0, 2))
+        kept = torch.randn(BATCH, 6)
+        cache.update_shift(0, key_shift=kept)
+        cache.checkpoint()
+        for begin, end in ((0, 3), (3, 5)):
+            cache.feed(tokens[:, begin:end])
+            cache.update(*states(end - begin), 0, at(2 + begin, end - begin))
+            cache.update_shift(0, key_shift=torch.randn(BATCH, 6))
+        cache.crop(6)
+        assert (cache.get_seq_length(), cache.layers[0].get_seq_length()) == (6, 2)
+        assert torch.equal(cache.shift_states(0)[0], kept)
+        cache.crop(4)  # no run since: fewer tokens to feed again
+        assert torch.equal(cache.take_again(), tokens[:, :2]) and cache.get_seq_length() == 2
+        cache.feed(tokens[:, :1])  # the first run since the crop keeps the states anew
+        cache.update(*states(1), 0, at(2, 1))
+        with pytest.raises(ValueError, match="earlier ones are kept only at 2"):
+            cache.crop(1)
+
+
 def test_offloading_on_cpu_gives_the_same_cache():
     plain, offloaded = DynamicCache(), DynamicCache(offloading=True)
     for step in range(3):
