@@ -5,12 +5,16 @@ The presets were trained on the standard library, so their prompts here are othe
 preset's default artifact (dynamic, fp32, the fused operator) continues each prompt greedily for `--new-tokens`
 tokens, batch 1, plain and with `--speculative ngram` alternating in one process, after a warm-up of each; a
 figure is the median over `--runs` of decode tokens/s, and each speculative run's tokens must be the plain run's.
+Then kvg-serve on each preset's static artifact, without and with `--speculative ngram` in turn, each run: one
+client and then `--clients` at once stream eight requests (two windows of `--serve-prompt-tokens` tokens of each
+module) of `--new-tokens` greedy tokens; a figure is the median of all tokens over the level's wall time.
 Writes results/speculative.json and the table in bench/README.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib.util
 import json
 import statistics
@@ -20,20 +24,44 @@ from pathlib import Path
 
 from report import publish
 from run import RESULTS, artifact, machine
+from serve_load import concurrent, server_flags
 
 from runtime.artifact import SessionOptions
 from runtime.generator import GenerationConfig, Generator
 from runtime.prompt_lookup import PromptLookup
+from runtime.serve_process import kvg_serve
 
 BEGIN, END = "<!-- speculative:begin -->", "<!-- speculative:end -->"
 PRESETS = ("fox-py", "fox-pro-py")
+SERVE_LENGTH = 2048  # the served static artifact's slots: rows of 768 positions at different offsets
 MODULES = ("onnx.helper", "httpx._client", "click.core", "starlette.routing")  # none is in the presets' corpus
 
 
-def held_out_prompt(generator: Generator, module: str, tokens: int) -> list[int]:
-    """The first `tokens` tokens of a module's source."""
+def held_out_prompt(generator: Generator, module: str, tokens: int, window: int = 0) -> list[int]:
+    """Window `window` of `tokens` tokens of a module's source (0: its first)."""
     source = Path(importlib.util.find_spec(module).origin).read_text()
-    return generator.encode(source)[0][:tokens]
+    return generator.encode(source)[0][window * tokens : (window + 1) * tokens]
+
+
+def serve_levels(preset: str, prompts: list[list[int]], args: argparse.Namespace) -> dict:
+    """Tokens/s through kvg-serve at one client and at `--clients`, without and with prompt lookup, alternating."""
+    static = artifact(preset, "static", SERVE_LENGTH, "fused")
+    levels = (1, args.clients)
+    figures = {system: {level: [] for level in levels} for system in ("plain", "speculative")}
+    for _ in range(args.runs):
+        for system, flags in (("plain", []), ("speculative", ["--speculative", "ngram"])):
+            with kvg_serve(static, server_flags(args.clients, args.threads, flags)) as (_process, url):
+                for level in levels:
+                    level_run = asyncio.run(concurrent(url, prompts, level, args.new_tokens))
+                    figures[system][level].append(level_run["tokens_per_s"])
+    return {
+        f"{level} clients": {
+            "plain_tokens_per_s": figures["plain"][level],
+            "speculative_tokens_per_s": figures["speculative"][level],
+            "ratio": statistics.median(figures["speculative"][level]) / statistics.median(figures["plain"][level]),
+        }
+        for level in levels
+    }
 
 
 def measure(generator: Generator, prompt: list[int], config: GenerationConfig, runs: int) -> dict:
@@ -82,6 +110,21 @@ def table(results: dict) -> str:
             f"{statistics.median(row['speculative_tokens_per_s']):.0f} | {row['ratio']:.2f}x ({low:.2f} to "
             f"{high:.2f}) | {rate} | {'yes' if row['identical_tokens'] else 'NO'} |"
         )
+    lines += [
+        "",
+        f"Through kvg-serve (the static artifact of {SERVE_LENGTH} slots, `--max-batch {settings['clients']}`):"
+        f" eight requests of {settings['serve_prompt_tokens']} prompt tokens and {settings['new_tokens']} new ones, "
+        "all tokens over the level's wall time, medians of the runs:",
+        "",
+        "| preset | clients | plain tok/s | prompt lookup tok/s | speed-up |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for preset, levels in results["serve"].items():
+        for level, row in levels.items():
+            lines.append(
+                f"| {preset} | {level.split()[0]} | {statistics.median(row['plain_tokens_per_s']):.0f} | "
+                f"{statistics.median(row['speculative_tokens_per_s']):.0f} | {row['ratio']:.2f}x |"
+            )
     return "\n".join([*lines, END])
 
 
@@ -91,19 +134,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--clients", type=int, default=8, help="the served level besides one client")
+    parser.add_argument("--serve-prompt-tokens", type=int, default=512)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     config = GenerationConfig(args.new_tokens, args.new_tokens)  # every run makes them all
-    rows = []
+    rows, serve = [], {}
     for preset in PRESETS:
         generator = Generator.open(artifact(preset, "dynamic", None, "fused"), SessionOptions("cpu", args.threads))
         for module in MODULES:
             prompt = held_out_prompt(generator, module, args.prompt_tokens)
             rows.append({"preset": preset, "module": module, **measure(generator, prompt, config, args.runs)})
             print(f"{preset} {module}: {rows[-1]['ratio']:.2f}x", file=sys.stderr)
+        served = [held_out_prompt(generator, m, args.serve_prompt_tokens, w) for m in MODULES for w in (0, 1)]
+        serve[preset] = serve_levels(preset, served, args)
     settings = {"runs": args.runs, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
-                "threads": args.threads}  # fmt: skip
-    results = {"machine": machine(), "settings": settings, "rows": rows}
+                "threads": args.threads, "clients": args.clients,
+                "serve_prompt_tokens": args.serve_prompt_tokens}  # fmt: skip
+    results = {"machine": machine(), "settings": settings, "rows": rows, "serve": serve}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "speculative.json").write_text(json.dumps(results, indent=2) + "\n")
     publish(args.out, BEGIN, END, table(results))
