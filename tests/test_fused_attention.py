@@ -164,6 +164,9 @@ CASES = {
     "a gap in a row's window": (2, 2, 2, 1, 8, 600, 600, [5], [(70, 530), 0]),
     "a padding query in a chunk": (1, 12, 2, 2, 8, 4, 12, [0, 0], [(6, 9)]),
     "decode, head_dim 64 (compiled for it)": (2, 1, 2, 2, 64, 300, 300, [0, 9], [5, 0]),
+    # a token and its drafts: each query reads its keys alone (no register tiles), a padding one among them
+    "a token and three drafts, head_dim 64": (2, 4, 2, 2, 64, 200, 204, [0, 3], [(201, 202), 0]),
+    "a token and two drafts, gqa": (1, 3, 4, 2, 16, 90, 93, [0, 0], [0]),
     "decode, head_dim 128, gqa (compiled for it)": (1, 1, 4, 2, 128, 150, 150, [0, 0], [0]),
     # most keys' weights round to 0 under the faster-decaying heads' gates: blocks the kernel skips
     "chunk over a window its gates forgot": (2, 70, 4, 2, 16, 1500, 1570, [0, 0], [0, 200]),

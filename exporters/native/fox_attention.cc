@@ -66,6 +66,7 @@ constexpr const char* kDomain = "kvg.fox";
 constexpr int64_t kQueryBlock = 64;    // queries that share one transposed block of keys
 constexpr int64_t kKeyBlock = 128;     // keys scored at once
 constexpr int kTileRows = 4;          // queries a register tile holds
+constexpr int64_t kRowQueries = 4;     // queries up to which each reads its keys alone (a decode step, a few drafts)
 constexpr int64_t kSplitKeys = 2048;   // a decode step's window is split into parts of about this many keys
 constexpr int64_t kMaxSplits = 32;
 constexpr int64_t kSplitQueries = 4;   // steps of at most this many queries a row split their windows
@@ -343,8 +344,9 @@ void attend(Problem& p, int64_t task) {
   const int64_t key_end = std::min(newest, key_begin + part);
 
   // A chunk's scores and value sums in register tiles, over its queries and zero rows up to a multiple of kTileRows; a
-  // decode step's one query reads each key and value row once anyway
-  const bool tiled = count > 1;
+  // decode step's one query, or a few (a token and its drafts), read each key and value row from L1 instead, sparing
+  // the block's transposition
+  const bool tiled = count > kRowQueries;
   const int64_t rows = tiled ? (count + kTileRows - 1) / kTileRows * kTileRows : count;
   scratch.floats.resize(2 * rows * dim + dim * kKeyBlock + rows * kKeyBlock + 2 * rows + kKeyBlock);
   scratch.seen.resize(count);
@@ -389,7 +391,8 @@ void attend(Problem& p, int64_t task) {
         for (int64_t d = 0; d < dim; ++d) transposed[d * kKeyBlock + j] = j < width ? block_keys[j * dim + d] : 0.0f;
       tile_product<false, 0, kKeyBlock, kKeyBlock>(queries, transposed, rows, dim, padded, scores, dim);
     } else {
-      score_row(queries, block_keys, seen_by[0], dim, scores);
+      for (int64_t i = 0; i < count; ++i)
+        score_row(queries + i * dim, block_keys, seen_by[i], dim, scores + i * kKeyBlock);
     }
     // The block's gate sums from its first slot, each rounded once from double: a query's decay to key j is then
     // its own sum less key j's, both small where the weights are not
@@ -433,7 +436,8 @@ void attend(Problem& p, int64_t task) {
     }
     if (!weighed) continue;
     if (!tiled) {
-      value_row(scores, block_values, seen_by[0], dim, acc);
+      for (int64_t i = 0; i < count; ++i)
+        value_row(scores + i * kKeyBlock, block_values, seen_by[i], dim, acc + i * dim);
     } else if (dim % 16 == 0) {
       tile_product<true, kKeyBlock, 0, 0>(scores, block_values, rows, width, dim, acc, dim);
     } else {
