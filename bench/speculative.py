@@ -5,9 +5,10 @@ The presets were trained on the standard library, so their prompts here are othe
 preset's default artifact (dynamic, fp32, the fused operator) continues each prompt greedily for `--new-tokens`
 tokens, batch 1, plain and with `--speculative ngram` alternating in one process, after a warm-up of each; a
 figure is the median over `--runs` of decode tokens/s, and each speculative run's tokens must be the plain run's.
-Then kvg-serve on each preset's static artifact, without and with `--speculative ngram` in turn, each run: one
-client and then `--clients` at once stream eight requests (two windows of `--serve-prompt-tokens` tokens of each
-module) of `--new-tokens` greedy tokens; a figure is the median of all tokens over the level's wall time.
+Then kvg-serve on each preset's static artifact, without and with `--speculative ngram` in turn, each run: at
+each level of `--clients`, that many clients at once stream eight requests (two windows of
+`--serve-prompt-tokens` tokens of each module) of `--new-tokens` greedy tokens; a figure is the median of all
+tokens over the level's wall time.
 Writes results/speculative.json and the table in bench/README.md.
 """
 
@@ -27,6 +28,7 @@ from run import RESULTS, artifact, machine
 from serve_load import concurrent, server_flags
 
 from runtime.artifact import SessionOptions
+from runtime.engine import SPECULATIVE_MAX_ROWS
 from runtime.generator import GenerationConfig, Generator
 from runtime.prompt_lookup import PromptLookup
 from runtime.serve_process import kvg_serve
@@ -44,13 +46,13 @@ def held_out_prompt(generator: Generator, module: str, tokens: int, window: int 
 
 
 def serve_levels(preset: str, prompts: list[list[int]], args: argparse.Namespace) -> dict:
-    """Tokens/s through kvg-serve at one client and at `--clients`, without and with prompt lookup, alternating."""
+    """Tokens/s through kvg-serve at each level of `--clients`, without and with prompt lookup, alternating."""
     static = artifact(preset, "static", SERVE_LENGTH, "fused")
-    levels = (1, args.clients)
+    levels = args.clients
     figures = {system: {level: [] for level in levels} for system in ("plain", "speculative")}
     for _ in range(args.runs):
         for system, flags in (("plain", []), ("speculative", ["--speculative", "ngram"])):
-            with kvg_serve(static, server_flags(args.clients, args.threads, flags)) as (_process, url):
+            with kvg_serve(static, server_flags(max(levels), args.threads, flags)) as (_process, url):
                 for level in levels:
                     level_run = asyncio.run(concurrent(url, prompts, level, args.new_tokens))
                     figures[system][level].append(level_run["tokens_per_s"])
@@ -112,9 +114,10 @@ def table(results: dict) -> str:
         )
     lines += [
         "",
-        f"Through kvg-serve (the static artifact of {SERVE_LENGTH} slots, `--max-batch {settings['clients']}`):"
-        f" eight requests of {settings['serve_prompt_tokens']} prompt tokens and {settings['new_tokens']} new ones, "
-        "all tokens over the level's wall time, medians of the runs:",
+        f"Through kvg-serve (the static artifact of {SERVE_LENGTH} slots, `--max-batch {max(settings['clients'])}`,"
+        f" speculating while at most {SPECULATIVE_MAX_ROWS} requests run): eight requests of "
+        f"{settings['serve_prompt_tokens']} prompt tokens and {settings['new_tokens']} new ones, all tokens over the "
+        "level's wall time, medians of the runs:",
         "",
         "| preset | clients | plain tok/s | prompt lookup tok/s | speed-up |",
         "|---|---:|---:|---:|---:|",
@@ -134,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--clients", type=int, default=8, help="the served level besides one client")
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 2, 8], help="the served levels")
     parser.add_argument("--serve-prompt-tokens", type=int, default=512)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)

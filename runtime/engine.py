@@ -61,6 +61,7 @@ class Failed:
 
 Event = Prompt | Token | Finished | Failed
 NO_DRAFTS = np.zeros((1, 0), dtype=np.int64)
+SPECULATIVE_MAX_ROWS = 1  # bench/README.md: speculative decoding (two rows measured slower with it than without)
 PREFILL_BUDGET = 64  # prompt tokens prefilled between two decode steps, by default (bench/README.md: serving)
 PREFIX_CACHE_MB = 256  # kvg-serve's memory for recent prompts' prefixes, by default
 
@@ -138,16 +139,20 @@ class Engine:
     def __init__(
         self, generator: Generator, max_batch: int, max_queue: int = 64, timeout_s: float | None = None,
         prefill_budget: int = PREFILL_BUDGET, prefix_cache_bytes: int = 0, speculative: Proposer | None = None,
+        speculative_max_rows: int = SPECULATIVE_MAX_ROWS,
     ):  # fmt: skip
         """`prefill_budget`: prompt tokens prefilled between two decode steps (a waiting request's prompt is
         prefilled in chunks of at most that many, so the running rows wait at most one chunk a step);
         `prefix_cache_bytes`: the memory recent prompts' prefixes may keep (0: none; runtime/prefix_cache.py);
-        `speculative`: how a request that names none guesses the tokens a step verifies (None: it does not)."""
+        `speculative`: how a request that names none guesses the tokens a step verifies (None: it does not);
+        `speculative_max_rows`: the most rows running for a step to verify drafts (vLLM's
+        speculative_disable_by_batch_size): a batch reads the weights once for every row already, so a wide
+        step's extra tokens cost more than they save once a few rows run."""
         check_servable(generator.artifact.folder, generator.artifact.manifest, max_batch)
         if prefill_budget < 1:
             raise ArtifactError(f"the prefill budget must be at least 1 token a step, got {prefill_budget}")
         self.generator, self.max_queue, self.timeout_s = generator, max_queue, timeout_s
-        self.speculative = speculative
+        self.speculative, self.speculative_max_rows = speculative, speculative_max_rows
         self.prefill_budget = prefill_budget
         self.filling: _Filling | None = None
         self.prefixes = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
@@ -378,10 +383,10 @@ class Engine:
 
     def _step(self) -> None:
         """One decode step over rows [0, last occupied]: each running row feeds its pending tokens and, speculating,
-        its drafts (while no prompt is being prefilled: its placement counts on a slot a step); free rows among
-        them (and a row being prefilled) are fed padding and ignored."""
+        its drafts (while no prompt is being prefilled, as its placement counts on a slot a step, and no more than
+        `speculative_max_rows` run); free rows among them (and a row being prefilled) are fed padding and ignored."""
         self._drop_cancelled()
-        speculating = self.filling is None
+        speculating = self.filling is None and len(self._running()) <= self.speculative_max_rows
         widest = max((len(row.pending) + row.search.budget for _, row in self._running()), default=1)
         for index, error in self.cache.before_step(widest if speculating else 1):  # a row the cache has no room for
             request = self.rows[index].request

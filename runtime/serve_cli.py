@@ -9,7 +9,7 @@ import sys
 
 from runtime.artifact import ArtifactError
 from runtime.drain import DEFAULT_GRACE_S
-from runtime.engine import PREFILL_BUDGET, PREFIX_CACHE_MB
+from runtime.engine import PREFILL_BUDGET, PREFIX_CACHE_MB, SPECULATIVE_MAX_ROWS
 from runtime.proposers import add_speculative_arguments
 from runtime.pruning import describe
 
@@ -46,6 +46,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     add_speculative_arguments(parser)
     parser.add_argument(
+        "--speculative-max-rows", type=int, default=SPECULATIVE_MAX_ROWS,
+        help="with --speculative, the most requests running for a step to verify drafts: a batch reads the weights "
+        "once for all its rows already (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
         "--shutdown-grace", type=float, default=DEFAULT_GRACE_S, metavar="SECONDS",
         help="on SIGTERM or SIGINT, refuse new requests (503) and let those in flight finish for up to this long, "
         "then end the rest with an event that says why and exit; a second signal exits at once (default: %(default)s)",
@@ -76,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     options = ServeOptions(args.artifact, args.max_batch, args.max_queue, args.timeout, args.model_name, args.provider,
                            args.threads, args.api_key, args.max_body_bytes, args.prefill_budget,
                            args.prefix_cache_mb, args.shutdown_grace, args.speculative, args.draft_tokens,
-                           args.lookup_ngram)  # fmt: skip
+                           args.lookup_ngram, args.speculative_max_rows)  # fmt: skip
     try:
         options.check()
         if args.replicas < 1 or args.replica_cpus < 0:

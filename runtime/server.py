@@ -36,7 +36,7 @@ from runtime.artifact import ArtifactError, SessionOptions, read_manifest
 from runtime.chat import ChatRequest, ChatShape, chat_config, chat_prompt
 from runtime.chat_template import ChatTemplate
 from runtime.drain import DEFAULT_GRACE_S, Drain, DrainGuard
-from runtime.engine import PREFILL_BUDGET, PREFIX_CACHE_MB, Engine, check_servable
+from runtime.engine import PREFILL_BUDGET, PREFIX_CACHE_MB, SPECULATIVE_MAX_ROWS, Engine, check_servable
 from runtime.generator import GenerationConfig, Generator
 from runtime.http_guard import HttpGuard, body_limit, error_body
 from runtime.logprobs import MAX_TOP
@@ -243,6 +243,7 @@ class ServeOptions:
     speculative: str | None = None  # "ngram" or a draft artifact's folder: every request speculates (None: none)
     draft_tokens: int | None = None  # the most drafts a step verifies (None: the proposer's default)
     lookup_ngram: int = PromptLookup.ngram
+    speculative_max_rows: int = SPECULATIVE_MAX_ROWS  # the most rows running for a step to verify drafts
 
     @property
     def name(self) -> str:
@@ -260,6 +261,8 @@ class ServeOptions:
             raise ArtifactError("--shutdown-grace must be >= 0 seconds")
         if self.speculative is not None:
             check_choice(self.speculative)
+        if self.speculative_max_rows < 0:
+            raise ArtifactError("--speculative-max-rows must be >= 0")
         folder = Path(self.artifact)
         check_servable(folder, read_manifest(folder), self.max_batch)
 
@@ -269,5 +272,5 @@ def open_app(options: ServeOptions) -> FastAPI:
     generator = Generator.open(options.artifact, sessions)
     speculative = proposer(options.speculative, options.draft_tokens, options.lookup_ngram, sessions)
     engine = Engine(generator, options.max_batch, options.max_queue, options.timeout_s, options.prefill_budget,
-                    options.prefix_cache_mb << 20, speculative)  # fmt: skip
+                    options.prefix_cache_mb << 20, speculative, options.speculative_max_rows)  # fmt: skip
     return create_app(engine, options.name, options.api_key, options.max_body_bytes, Drain(options.shutdown_grace_s))

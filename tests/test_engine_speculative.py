@@ -36,7 +36,7 @@ def test_speculating_requests_in_a_running_batch_get_the_tokens_they_get_alone(e
                          generator.artifact.vocab_size)  # fmt: skip
     compactions, compact = [], RowCache._compact
     monkeypatch.setattr(RowCache, "_compact", lambda self: compactions.append(self.clock) or compact(self))
-    engine = Engine(generator, 3, max_queue=len(requests))
+    engine = Engine(generator, 3, max_queue=len(requests), speculative_max_rows=3)
     arrivals = Arrivals(
         engine, [(prompt, replace(config, speculative=drafts)) for prompt, config in requests], triggers
     )
@@ -66,7 +66,9 @@ def test_kvg_serve_speculates_for_every_request_and_reports_the_acceptance_in_it
     prompts = [[5, 6, 7, 8] * 3, [9, 10, 11] * 4, [12, 13] * 5, [14, 15, 16, 17, 18] * 2]
     config = GenerationConfig(40, 40)
     expected = [generator.generate([prompt], config).tokens[0] for prompt in prompts]
-    with serving(generator, max_batch=3, engine_options={"speculative": PromptLookup(tokens=4)}) as (url, engine):
+    with serving(
+        generator, max_batch=3, engine_options={"speculative": PromptLookup(tokens=4), "speculative_max_rows": 3}
+    ) as (url, engine):
         with ThreadPoolExecutor(len(prompts)) as pool:
             answers = list(pool.map(lambda prompt: complete(url, prompt), prompts))
         metrics = httpx.get(f"{url}/metrics").text
@@ -101,7 +103,7 @@ def test_a_draft_model_drafts_for_each_request_in_the_engine(exported):
     requests = [([5, 6, 7], GenerationConfig(30, 30)), ([8, 9], GenerationConfig(24, 24)), ([10, 11, 12], sampled)]
     expected = [target.generate([prompt], config).tokens[0] for prompt, config in requests[:2]]
     expected.append(target.generate([requests[2][0]], replace(sampled, speculative=draft)).tokens[0])
-    engine, got = Engine(target, 3, speculative=draft), Collector(len(requests))
+    engine, got = Engine(target, 3, speculative=draft, speculative_max_rows=3), Collector(len(requests))
     for index, (prompt, config) in enumerate(requests):
         engine.submit(prompt, config, got.emit(index))
     got.wait(len(requests))
