@@ -85,6 +85,23 @@ class Arrivals:
         return on_event
 
 
+def served(engine: Engine, requests, triggers: dict[int, tuple[int, int]]) -> list[list[int]]:
+    """Each request's tokens, the requests arriving as `triggers` say (see Arrivals); every one must finish."""
+    arrivals = Arrivals(engine, requests, triggers)
+    arrivals.submit(0)
+    arrivals.got.wait(len(requests))
+    engine.close()
+    assert {type(end) for end in arrivals.got.ends.values()} == {Finished}
+    return [arrivals.got.tokens[i] for i in range(len(requests))]
+
+
+def watch_compactions(monkeypatch) -> list[int]:
+    """The clock at each time the rows are moved to the front, from now on."""
+    compactions, compact = [], RowCache._compact
+    monkeypatch.setattr(RowCache, "_compact", lambda self: compactions.append(self.clock) or compact(self))
+    return compactions
+
+
 def schedule(count: int, seed: int) -> tuple[list, dict[int, tuple[int, int]]]:
     """Four requests that force every way a row's slots move (given three rows), then `count` random ones
     arriving while earlier ones run. Request 1's 20-token prompt joins at clock 5, so running request 0 is
@@ -109,16 +126,10 @@ def test_requests_joining_a_running_batch_get_the_tokens_they_get_alone(exported
     generator = Generator.open(exported(preset, "static", attention=attention)[0].path, CPU)
     requests, triggers = schedule(56, seed=rows)
     alone = [generator.generate([prompt], config).tokens[0] for prompt, config in requests]
-    moves, move, compactions, compact = [], RowCache.move, [], RowCache._compact
+    moves, move = [], RowCache.move
     monkeypatch.setattr(RowCache, "move", lambda self, *args: moves.append(args) or move(self, *args))
-    monkeypatch.setattr(RowCache, "_compact", lambda self: compactions.append(self.clock) or compact(self))
-    engine = Engine(generator, rows, max_queue=len(requests))
-    arrivals = Arrivals(engine, requests, triggers)
-    arrivals.submit(0)
-    arrivals.got.wait(len(requests))
-    engine.close()
-    assert {type(end) for end in arrivals.got.ends.values()} == {Finished}
-    assert [arrivals.got.tokens[i] for i in range(len(requests))] == alone
+    compactions = watch_compactions(monkeypatch)
+    assert served(Engine(generator, rows, max_queue=len(requests)), requests, triggers) == alone
     assert compactions, "no compaction happened"
     assert any(to > begin for _rows, begin, _end, to in moves), "no row was moved later"
 

@@ -9,15 +9,14 @@ from dataclasses import replace
 import httpx
 import pytest
 from scripted_drafts import Scripted
-from test_engine import CPU, Arrivals, Collector, schedule
+from test_engine import CPU, Collector, schedule, served, watch_compactions
 from test_serve import metric, run_cli, serving
 
 from runtime.artifact import ArtifactError
 from runtime.draft_model import DraftModel
-from runtime.engine import Engine, Finished
+from runtime.engine import Engine
 from runtime.generator import GenerationConfig, Generator
 from runtime.prompt_lookup import PromptLookup
-from runtime.row_cache import RowCache
 from runtime.sampling import SamplingConfig
 
 # (preset, attention): shift states or none, through the fused operator and the portable graph
@@ -34,17 +33,10 @@ def test_speculating_requests_in_a_running_batch_get_the_tokens_they_get_alone(e
     alone = [generator.generate([prompt], config).tokens[0] for prompt, config in requests]
     drafts = Scripted.of([prompt for prompt, _ in requests], alone, lambda row, position: (position + row) % 4 != 1,
                          generator.artifact.vocab_size)  # fmt: skip
-    compactions, compact = [], RowCache._compact
-    monkeypatch.setattr(RowCache, "_compact", lambda self: compactions.append(self.clock) or compact(self))
+    compactions = watch_compactions(monkeypatch)
     engine = Engine(generator, 3, max_queue=len(requests), speculative_max_rows=3)
-    arrivals = Arrivals(
-        engine, [(prompt, replace(config, speculative=drafts)) for prompt, config in requests], triggers
-    )
-    arrivals.submit(0)
-    arrivals.got.wait(len(requests))
-    engine.close()
-    assert {type(end) for end in arrivals.got.ends.values()} == {Finished}
-    assert [arrivals.got.tokens[i] for i in range(len(requests))] == alone
+    speculating = [(prompt, replace(config, speculative=drafts)) for prompt, config in requests]
+    assert served(engine, speculating, triggers) == alone
     assert compactions, "no compaction happened"
     assert 0 < engine.drafts_accepted < engine.drafts_proposed
 
