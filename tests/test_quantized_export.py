@@ -1,18 +1,20 @@
 """Quantized exports: judged on held-out text against eager fp32, recorded in the manifest, served unchanged by
-the runtime; one that misses its thresholds leaves nothing behind."""
+the runtime, speculative decoding included; one that misses its thresholds leaves nothing behind."""
 
 import json
-from dataclasses import fields
+from dataclasses import fields, replace
 
 import numpy as np
 import onnx
 import pytest
+from scripted_drafts import Scripted
 
 from exporters import cli
 from exporters.cache_check import check_cache
 from exporters.quantization import Quantization
 from runtime import cli as generate_cli
-from runtime.generator import Generator
+from runtime.artifact import SessionOptions
+from runtime.generator import GenerationConfig, Generator
 
 QUALITY_WINDOWS = "8"  # of the test split: about 4k predicted tokens, enough to judge int4 against 90%
 
@@ -120,3 +122,15 @@ def test_quantization_flags_that_cannot_work_are_refused(tmp_path, capsys, args,
         code = exit.code
     assert code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_speculative_decoding_on_it_gives_plain_greedy_tokens(int4_artifact):
+    """Runs of a token and its drafts through the int4 weights (MatMulNBits over several rows, not one) choose the
+    tokens one a step does, for drafts right and wrong."""
+    generator = Generator.open(int4_artifact, SessionOptions(provider="cpu"))
+    prompt = generator.encode("def parse_args(argv):\n    parser = argparse.ArgumentParser()\n    parser.add_argument(")
+    config = GenerationConfig(48, 48)
+    plain = generator.generate(prompt, config).tokens
+    drafts = Scripted.of(prompt, plain, lambda row, position: position % 5 != 2, generator.artifact.vocab_size)
+    spoken = generator.generate(prompt, replace(config, speculative=drafts))
+    assert spoken.tokens == plain and 0 < spoken.drafts_accepted < spoken.drafts_proposed
