@@ -36,6 +36,7 @@ from runtime.serve_process import kvg_serve
 BEGIN, END = "<!-- speculative:begin -->", "<!-- speculative:end -->"
 PRESETS = ("fox-py", "fox-pro-py")
 SERVE_LENGTH = 2048  # the served static artifact's slots: rows of 768 positions at different offsets
+LOOKUP = PromptLookup()  # kvg-generate's --speculative ngram
 MODULES = ("onnx.helper", "httpx._client", "click.core", "starlette.routing")  # none is in the presets' corpus
 
 
@@ -68,7 +69,7 @@ def serve_levels(preset: str, prompts: list[list[int]], args: argparse.Namespace
 
 def measure(generator: Generator, prompt: list[int], config: GenerationConfig, runs: int) -> dict:
     """Plain and speculative runs alternating, after one of each; their medians, ratio and acceptance."""
-    speculative = replace(config, speculative=PromptLookup())
+    speculative = replace(config, speculative=LOOKUP)
     generator.generate([prompt], config), generator.generate([prompt], speculative)
     plain, spoken, proposed, accepted, identical = [], [], 0, 0, True
     for _ in range(runs):
@@ -98,7 +99,8 @@ def table(results: dict) -> str:
         f"`make bench` (bench/speculative.py), {results['machine']['date']}, {results['machine']['cores']} cores: "
         f"each trained preset's default artifact continues the first {settings['prompt_tokens']} tokens of a "
         f"third-party module greedily for {settings['new_tokens']} tokens, batch 1, {settings['threads']} threads, "
-        f"plain and `--speculative ngram` (8 drafts, 2-grams) alternating; decode tokens/s, medians of "
+        f"plain and `--speculative ngram` ({LOOKUP.tokens} drafts, {LOOKUP.min_ngram}- to {LOOKUP.ngram}-grams) "
+        f"alternating; decode tokens/s, medians of "
         f"{settings['runs']} runs; \"same tokens\": every speculative run's tokens were the plain run's.",
         "",
         "| preset | module | plain tok/s | prompt lookup tok/s | speed-up (range) | drafts accepted | same tokens |",

@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         options = SessionOptions(args.provider, args.threads)
         generator = Generator.open(args.artifact, options, getattr(args, "log_pruning_tolerance", AS_EXPORTED))
-        speculative = proposer(args.speculative, args.draft_tokens, args.lookup_ngram, options)
+        speculative = proposer(args.speculative, args.draft_tokens, (args.lookup_ngram, args.lookup_min_ngram), options)
         config = GenerationConfig(
             args.max_new_tokens, args.min_new_tokens, tuple(args.stop), sampling, speculative=speculative
         )

@@ -30,6 +30,10 @@ class DraftModel:
     generator: Generator
     tokens: int = 5
 
+    def __post_init__(self) -> None:
+        if self.tokens < 1:
+            raise ValueError(f"a draft model needs tokens (--draft-tokens) >= 1, got {self.tokens}")
+
     @classmethod
     def open(cls, folder: str | Path, options: SessionOptions | None = None, tokens: int = 5) -> DraftModel:
         return cls(Generator.open(folder, options), tokens)
@@ -37,8 +41,6 @@ class DraftModel:
     def check(self, target: Generator, prompts: list[list[int]], config: GenerationConfig) -> None:
         """Refuse a draft that cannot guess for `target`'s request, naming why: other token ids, a batch, or a request
         its own artifact cannot hold."""
-        if self.tokens < 1:
-            raise ValueError(f"a draft model needs tokens (--draft-tokens) >= 1, got {self.tokens}")
         difference = tokenizer_difference(self.generator, target)
         if difference is not None:
             raise ArtifactError(

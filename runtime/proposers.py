@@ -23,6 +23,9 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"most guesses a run verifies (default {PromptLookup.tokens} for ngram, {DraftModel.tokens} for a draft)",
     )  # fmt: skip
     parser.add_argument("--lookup-ngram", type=int, default=PromptLookup.ngram, help="longest n-gram looked up")
+    parser.add_argument(
+        "--lookup-min-ngram", type=int, default=PromptLookup.min_ngram, help="shortest n-gram a guess may follow"
+    )
 
 
 def check_choice(choice: str) -> None:
@@ -32,13 +35,14 @@ def check_choice(choice: str) -> None:
 
 
 def proposer(
-    choice: str | None, tokens: int | None, ngram: int, options: SessionOptions
+    choice: str | None, tokens: int | None, ngrams: tuple[int, int], options: SessionOptions
 ) -> PromptLookup | DraftModel | None:  # fmt: skip
     """The guesser --speculative `choice` names (None: none), verifying up to `tokens` (None: its default) a
-    run; a draft artifact runs on the target's `options`."""
+    run; prompt lookup matches `ngrams` (the longest n-gram, the shortest) final tokens; a draft artifact runs on
+    the target's `options`."""
     if choice is None:
         return None
     check_choice(choice)
     if choice == "ngram":
-        return PromptLookup(PromptLookup.tokens if tokens is None else tokens, ngram)
+        return PromptLookup(PromptLookup.tokens if tokens is None else tokens, *ngrams)
     return DraftModel.open(choice, options, DraftModel.tokens if tokens is None else tokens)

@@ -30,7 +30,8 @@ DEPLOYMENT = "kvg-serve"
 # app_builder's arguments arrive as text: their types, and the two that are the deployment's own
 TYPES = {"max_batch": int, "max_queue": int, "timeout_s": float, "threads": int, "max_body_bytes": int,
          "prefill_budget": int, "prefix_cache_mb": int, "shutdown_grace_s": float, "draft_tokens": int,
-         "lookup_ngram": int, "speculative_max_rows": int, "replicas": int, "replica_cpus": float}  # fmt: skip
+         "lookup_ngram": int, "lookup_min_ngram": int,
+         "speculative_max_rows": int, "replicas": int, "replica_cpus": float}  # fmt: skip
 REPORT_MARGIN_S = 10.0  # beyond the grace period and the cut, for the replicas' reports to come
 
 

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     options = ServeOptions(args.artifact, args.max_batch, args.max_queue, args.timeout, args.model_name, args.provider,
                            args.threads, args.api_key, args.max_body_bytes, args.prefill_budget,
                            args.prefix_cache_mb, args.shutdown_grace, args.speculative, args.draft_tokens,
-                           args.lookup_ngram, args.speculative_max_rows)  # fmt: skip
+                           args.lookup_ngram, args.lookup_min_ngram, args.speculative_max_rows)  # fmt: skip
     try:
         options.check()
         if args.replicas < 1 or args.replica_cpus < 0:

@@ -243,6 +243,7 @@ class ServeOptions:
     speculative: str | None = None  # "ngram" or a draft artifact's folder: every request speculates (None: none)
     draft_tokens: int | None = None  # the most drafts a step verifies (None: the proposer's default)
     lookup_ngram: int = PromptLookup.ngram
+    lookup_min_ngram: int = PromptLookup.min_ngram
     speculative_max_rows: int = SPECULATIVE_MAX_ROWS  # the most rows running for a step to verify drafts
 
     @property
@@ -270,7 +271,8 @@ class ServeOptions:
 def open_app(options: ServeOptions) -> FastAPI:
     sessions = SessionOptions(options.provider, options.threads)
     generator = Generator.open(options.artifact, sessions)
-    speculative = proposer(options.speculative, options.draft_tokens, options.lookup_ngram, sessions)
+    ngrams = options.lookup_ngram, options.lookup_min_ngram
+    speculative = proposer(options.speculative, options.draft_tokens, ngrams, sessions)
     engine = Engine(generator, options.max_batch, options.max_queue, options.timeout_s, options.prefill_budget,
                     options.prefix_cache_mb << 20, speculative, options.speculative_max_rows)  # fmt: skip
     return create_app(engine, options.name, options.api_key, options.max_body_bytes, Drain(options.shutdown_grace_s))

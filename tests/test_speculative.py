@@ -81,25 +81,26 @@ def test_sampled_drafts_choose_the_tokens_a_seeded_plain_run_samples(exported):
     assert spoken.tokens == plain.tokens and 0 < spoken.drafts_accepted < spoken.drafts_proposed
 
 
-def naive_proposal(text: list[int], tokens: int, ngram: int) -> list[int]:
-    """What followed the latest earlier occurrence of the longest final n-gram (n <= ngram) that occurred before."""
-    for n in range(min(ngram, len(text)), 0, -1):
+def naive_proposal(text: list[int], tokens: int, ngram: int, min_ngram: int) -> list[int]:
+    """What followed the latest earlier occurrence of the longest final n-gram (min_ngram <= n <= ngram) that occurred
+    before."""
+    for n in range(min(ngram, len(text)), min_ngram - 1, -1):
         ends = [end for end in range(n, len(text)) if text[end - n : end] == text[-n:]]
         if ends:
             return text[ends[-1] : ends[-1] + tokens]
     return []
 
 
-@pytest.mark.parametrize("ngram", [1, 2, 3])
-def test_prompt_lookup_proposes_what_followed_the_latest_earlier_occurrence(ngram):
+@pytest.mark.parametrize(("min_ngram", "ngram"), [(1, 1), (1, 2), (2, 3), (3, 3)])
+def test_prompt_lookup_proposes_what_followed_the_latest_earlier_occurrence(min_ngram, ngram):
     rng = np.random.default_rng(ngram)
     text = rng.integers(0, 4, 300).tolist()  # a small vocabulary: n-grams recur at every length
-    lookup = PromptLookup(tokens=6, ngram=ngram).start(text[:1])
+    lookup = PromptLookup(tokens=6, ngram=ngram, min_ngram=min_ngram).start(text[:1])
     proposed = []
     for length in range(2, len(text) + 1):
         lookup.push(text[length - 1])
         most = 1 + length % 7  # sometimes fewer than `tokens`
-        assert lookup.propose(most) == naive_proposal(text[:length], min(most, 6), ngram), length
+        assert lookup.propose(most) == naive_proposal(text[:length], min(most, 6), ngram, min_ngram), length
         proposed.append(len(lookup.propose(most)))
     assert min(proposed) < max(proposed) == 6
 
