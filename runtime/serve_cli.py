@@ -45,11 +45,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "prefilled from there (0: off; default: %(default)s)",
     )  # fmt: skip
     add_speculative_arguments(parser)
-    parser.add_argument(
-        "--speculative-max-rows", type=int, default=SPECULATIVE_MAX_ROWS,
-        help="with --speculative, the most requests running for a step to verify drafts: a batch reads the weights "
-        "once for all its rows already (default: %(default)s)",
-    )  # fmt: skip
+    speculating = "with --speculative, the most requests running for a step to verify drafts (default: %(default)s)"
+    parser.add_argument("--speculative-max-rows", type=int, default=SPECULATIVE_MAX_ROWS, help=speculating)
     parser.add_argument(
         "--shutdown-grace", type=float, default=DEFAULT_GRACE_S, metavar="SECONDS",
         help="on SIGTERM or SIGINT, refuse new requests (503) and let those in flight finish for up to this long, "
