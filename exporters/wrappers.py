@@ -44,15 +44,8 @@ class ExportableFox(nn.Module):
             cache_position = torch.arange(total - input_ids.shape[1], total, device=input_ids.device)
         layers = self._layer_tuples(past)
         cache = StaticCache.from_tensors(layers) if self.layout.static else DynamicCache(layers)
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            past_key_values=cache,
-            cache_position=cache_position,
-            use_cache=True,
-            in_place_attention=self.in_place_attention,
-            window_offsets=window_offsets,
-        )
+        out = self.model(input_ids, attention_mask, cache, cache_position=cache_position, use_cache=True,
+                         in_place_attention=self.in_place_attention, window_offsets=window_offsets)  # fmt: skip
         present = []
         for layer in cache.layers:
             by_field = dict(
