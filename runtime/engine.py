@@ -386,17 +386,19 @@ class Engine:
         its drafts (while no prompt is being prefilled, as its placement counts on a slot a step, and no more than
         `speculative_max_rows` run); free rows among them (and a row being prefilled) are fed padding and ignored."""
         self._drop_cancelled()
-        speculating = self.filling is None and len(self._running()) <= self.speculative_max_rows
-        widest = max((len(row.pending) + row.search.budget for _, row in self._running()), default=1)
+        running = [(index, row) for index, row in enumerate(self.rows) if row is not None]
+        speculating = self.filling is None and len(running) <= self.speculative_max_rows
+        widest = max((len(row.pending) + row.search.budget for _, row in running), default=1)
         for index, error in self.cache.before_step(widest if speculating else 1):  # a row the cache has no room for
             request = self.rows[index].request
             self._free(index)
             self._send(request, Failed(str(error)))
-        if not self._decoding:
+            running = [(other, row) for other, row in running if other != index]
+        if not running:
             return
         room = self.cache.room if speculating else 1
         fed = {index: (row.pending + self._drafts(row, room - len(row.pending)))[:room]
-               for index, row in self._running()}  # fmt: skip
+               for index, row in running}  # fmt: skip
         width, count = max(map(len, fed.values())), max(fed) + 1
         ids = np.full((count, width), self.generator.pad, dtype=np.int64)
         for index, tokens in fed.items():
@@ -408,9 +410,6 @@ class Engine:
             return
         for index, tokens in fed.items():
             self._take(index, logits[index], tokens, width)
-
-    def _running(self) -> list[tuple[int, _Row]]:
-        return [(index, row) for index, row in enumerate(self.rows) if row is not None]
 
     @staticmethod
     def _drafts(row: _Row, room: int) -> list[int]:
@@ -443,7 +442,8 @@ class Engine:
             if not row.search.accepts(chosen, drafts, position):
                 break
         again = self.cache.keep(index, pending + position, width)
-        row.pending = [*fed[:again], int(chosen[0])]
+        if again:  # else `_choose` left the latest token alone pending
+            row.pending = [*fed[:again], *row.pending]
 
     def _drop_cancelled(self) -> None:
         for index, row in enumerate(self.rows):

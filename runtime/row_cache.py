@@ -258,14 +258,14 @@ class RowCache:
         writes, the clock, and its attention mask `[rows, clock + width]`. A running row attends its slots from its
         first kept one but its holes, and that first kept slot also counts the positions dropped before it (so that
         RoPE positions count them, as DeviceCache.window_mask does); any other row attends its own slots alone."""
-        mask = np.zeros((rows, self.clock + width), dtype=np.int64)
-        mask[:, self.clock :] = 1
-        for row in self.running:
-            if row < rows:
-                begin = int(self.begins[row])
-                kept = ~self.holes[row, begin : self.clock]
-                mask[row, begin : self.clock] = kept
-                mask[row, begin + int(kept.argmax()) if kept.any() else self.clock] += self.dropped[row]
+        begins = np.full(rows, self.clock, dtype=np.int64)
+        dropped = np.zeros(rows, dtype=np.int64)
+        running = [row for row in self.running if row < rows]
+        begins[running], dropped[running] = self.begins[running], self.dropped[running]
+        attended = np.arange(self.clock + width) >= begins[:, None]
+        attended[:, : self.clock] &= ~self.holes[:rows, : self.clock]
+        mask = attended.astype(np.int64)
+        mask[np.arange(rows), attended.argmax(axis=1)] += dropped  # each row's first attended slot
         return self.clock, mask
 
     def _prune(self) -> dict[int, np.ndarray]:
