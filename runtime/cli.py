@@ -61,8 +61,6 @@ def main(argv: list[str] | None = None) -> int:
             args.max_new_tokens, args.min_new_tokens, tuple(args.stop), sampling, speculative=speculative
         )
         prompts = args.prompt or args.ids
-        if speculative is not None:  # a draft that does not fit is refused as it is loaded, before any work
-            speculative.check(generator, generator.encode(prompts), config)
         device = generator.artifact.device.upper()
         why = ""
         if args.provider == "auto" and device == "CPU":

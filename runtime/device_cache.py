@@ -219,9 +219,9 @@ class DeviceCache:
                                   for name in self.shift_names}  # fmt: skip
 
     def rewind(self) -> None:
-        """Back to where `hold` was: the positions filled since are dropped as `keep` drops them, and the shift
-        states written over, in the buffers they are now in, so that no binding goes stale."""
-        end, (self.filled, states) = self.filled, self.held
+        """Back to where `hold` was, and pruning free again: the positions filled since are dropped as `keep` drops
+        them, and the shift states written over, in the buffers they are now in, so that no binding goes stale."""
+        end, (self.filled, states), self.held = self.filled, self.held, None
         self._cut(end)
         for past, state in states.items():
             if past in self.swapped:

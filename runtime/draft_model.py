@@ -10,6 +10,7 @@ its guesses are dropped, and FoX-Pro's shift states are those after the last cho
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -90,11 +91,12 @@ class Drafting:
         self.distributions = []
         if self.fed < len(self.text):
             return []
-        self.cache.hold()
         guesses = [self._guess(logits[:, -1])]
-        while len(guesses) < most:
-            guesses.append(self._guess(self.step(np.array([[guesses[-1]]], dtype=np.int64))))
-        self.cache.rewind()
+        if most > 1:  # guesses fed to the cache, which goes back after them
+            self.cache.hold()
+            while len(guesses) < most:
+                guesses.append(self._guess(self.step(np.array([[guesses[-1]]], dtype=np.int64))))
+            self.cache.rewind()
         return guesses
 
     def _guess(self, logits: np.ndarray) -> int:
@@ -109,8 +111,10 @@ def _draft_seed(seed: int | None) -> int | None:
     return None if seed is None else int(np.random.SeedSequence(seed).generate_state(1)[0])
 
 
+@functools.lru_cache(maxsize=8)
 def tokenizer_difference(draft: Generator, target: Generator) -> str | None:
-    """How the draft's token ids differ from the target's, in words; None when they mean the same text."""
+    """How the draft's token ids differ from the target's, in words; None when they mean the same text. Kept for
+    the pair: the engine checks every request, and reading two vocabularies each time is work for nothing."""
     ours, theirs = draft.artifact.manifest, target.artifact.manifest
     if draft.artifact.vocab_size != target.artifact.vocab_size:
         return f"its vocabulary has {draft.artifact.vocab_size} ids, the target's {target.artifact.vocab_size}"
