@@ -14,9 +14,10 @@ from runtime.row_cache import RowCache
 
 CPU = SessionOptions(provider="cpu")
 PAD = 0
-# Against eager PyTorch: the worst measured is 7.2e-7 (a cached value) and 3.3e-7 (a logit), a few units in the
-# last place of values up to about 3; a wrong slot, mask or state is off by orders more
-TOLERANCE = 5e-6
+# Against eager PyTorch: the worst measured is 7.2e-7 (a cached value) and 3.3e-7 (a logit), three units in the
+# last place of values up to about 3 (the tests pass at 1e-6 here); 2e-6 leaves room for another CPU's rounding and
+# no more: a wrong slot, mask or state is off by orders more
+TOLERANCE = 2e-6
 EAGER_FIELDS = {"key": "keys", "value": "values", "gate": "gates"}  # the cache layers' names; shift states alike
 
 
