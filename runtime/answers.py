@@ -26,6 +26,7 @@ from starlette.concurrency import run_in_threadpool
 
 from runtime.artifact import ArtifactError
 from runtime.chat_template import ChatTemplate
+from runtime.constraints import Constraint
 from runtime.drain import Drain
 from runtime.engine import Engine, Event, Failed, Finished, Prompt, QueueFull, Token
 from runtime.generator import GenerationConfig
@@ -44,10 +45,38 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`; the schema is enforced whether `strict` is set or not."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str = Field(max_length=64)
+    description: str | None = None
+    json_schema: dict = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: one of a JSON schema, a regular expression, a list of choices or a grammar
+    (Lark or GBNF)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    json_schema: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class GenerationRequest(BaseModel):
-    """The fields every generating route takes: OpenAI's, and as vLLM's extensions `top_k`, `min_tokens` and
-    `repetition_penalty`. Fields OpenAI has and this server does not implement are accepted only at their
-    neutral values."""
+    """The fields every generating route takes: OpenAI's, and as vLLM's extensions `top_k`, `min_tokens`,
+    `repetition_penalty` and `structured_outputs`. Fields OpenAI has and this server does not implement are accepted
+    only at their neutral values."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
@@ -64,6 +93,8 @@ class GenerationRequest(BaseModel):
     presence_penalty: Literal[0] = 0
     frequency_penalty: Literal[0] = 0
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @property
     def stops(self) -> list[str]:
@@ -72,6 +103,39 @@ class GenerationRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    def constraint(self) -> Constraint | None:
+        """What the answer must be, from `response_format` or `structured_outputs` (one at most)."""
+        named = []
+        if self.response_format is not None and self.response_format.type != "text":
+            form = self.response_format
+            if form.type == "json_object":
+                named.append(("response_format", Constraint.json_object()))
+            elif form.json_schema is None:
+                raise ApiError(400, "response_format of type json_schema needs its json_schema",
+                               param="response_format")  # fmt: skip
+            else:
+                named.append(("response_format", Constraint.json_schema(form.json_schema.json_schema)))
+        outputs = self.structured_outputs
+        if outputs is not None:
+            named += [
+                (f"structured_outputs.{name}", constraint)
+                for name, constraint in (
+                    ("json", None if outputs.json_schema is None else Constraint.json_schema(outputs.json_schema)),
+                    ("regex", None if outputs.regex is None else Constraint.regex(outputs.regex)),
+                    ("choice", None if outputs.choice is None else Constraint.choice(outputs.choice)),
+                    ("grammar", None if outputs.grammar is None else Constraint.grammar(outputs.grammar)),
+                    ("json_object", Constraint.json_object() if outputs.json_object else None),
+                )
+                if constraint is not None
+            ]
+        if len(named) > 1:
+            raise ApiError(400, f"one constraint a request: {', '.join(name for name, _ in named)} were all given",
+                           param=named[1][0])  # fmt: skip
+        if named and self.stops:
+            raise ApiError(400, "stop cannot be combined with a structured output: the constraint decides where "
+                           "the text ends", param="stop")  # fmt: skip
+        return named[0][1] if named else None
 
 
 class ApiError(Exception):
@@ -297,7 +361,7 @@ def generation_config(request: GenerationRequest, max_tokens: int) -> Generation
     sampling = SamplingConfig(
         request.temperature, request.top_k, request.top_p, request.repetition_penalty, request.seed
     )
-    return GenerationConfig(max_tokens, request.min_tokens, sampling=sampling)
+    return GenerationConfig(max_tokens, request.min_tokens, sampling=sampling, constraint=request.constraint())
 
 
 class Shape(Protocol):

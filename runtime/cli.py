@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 from runtime.artifact import ArtifactError, SessionOptions, unrunnable
+from runtime.constraints import Constraint, ConstraintError
 from runtime.generator import GenerationConfig, Generator
 from runtime.proposers import add_speculative_arguments, proposer
 from runtime.pruning import AS_EXPORTED, describe, parse_tolerance
@@ -37,11 +40,45 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int)
     parser.add_argument("--stream", action="store_true", help="print tokens as they are produced")
     add_speculative_arguments(parser)
+    constrained = parser.add_mutually_exclusive_group()
+    constrained.add_argument("--json-schema", metavar="FILE", help="answer JSON valid under the schema in FILE")
+    constrained.add_argument("--regex", metavar="R", help="answer text matching the regular expression R whole")
+    constrained.add_argument("--choice", action="append", help="answer one of these texts (repeat for each)")
+    constrained.add_argument("--grammar", metavar="FILE", help="answer text of the Lark or GBNF grammar in FILE")
     parser.add_argument(
         "--log-pruning-tolerance", type=parse_tolerance, default=argparse.SUPPRESS, metavar="X|none",
         help="drop cached keys whose weight in any later query is provably below e^X (default: as exported)",
     )  # fmt: skip
     return parser.parse_args(argv)
+
+
+def _read(path: str, what: str) -> str:
+    try:
+        return Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConstraintError(f"cannot read the {what} {path}: {error}") from None
+
+
+def constraint(args: argparse.Namespace) -> Constraint | None:
+    """The structured output the flags ask for (None: free text)."""
+    if args.json_schema is not None:
+        text = _read(args.json_schema, "JSON schema")
+        try:
+            return Constraint.json_schema(json.loads(text))
+        except json.JSONDecodeError as error:
+            raise ConstraintError(
+                f"{args.json_schema} is not JSON ({error}); --json-schema takes a schema file"
+            ) from None
+    if args.regex is not None:
+        return Constraint.regex(args.regex)
+    if args.choice is not None:
+        return Constraint.choice(args.choice)
+    return None if args.grammar is None else Constraint.grammar(_read(args.grammar, "grammar"))
+
+
+def _incomplete(result) -> str:
+    cut = result.finish_reasons.count("length")
+    return f", {cut} answer(s) cut at --max-new-tokens before the constraint was complete" if cut else ""
 
 
 def _acceptance(result) -> str:
@@ -58,7 +95,12 @@ def main(argv: list[str] | None = None) -> int:
         generator = Generator.open(args.artifact, options, getattr(args, "log_pruning_tolerance", AS_EXPORTED))
         speculative = proposer(args.speculative, args.draft_tokens, (args.lookup_ngram, args.lookup_min_ngram), options)
         config = GenerationConfig(
-            args.max_new_tokens, args.min_new_tokens, tuple(args.stop), sampling, speculative=speculative
+            args.max_new_tokens,
+            args.min_new_tokens,
+            tuple(args.stop),
+            sampling,
+            speculative=speculative,
+            constraint=constraint(args),
         )
         prompts = args.prompt or args.ids
         device = generator.artifact.device.upper()
@@ -94,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         f"kvg-generate: {sum(map(len, result.tokens))} tokens, first after {first_ms:.1f} ms, "
         f"decode {result.decode_tokens_per_s:.1f} tokens/s"
         + (f", {_acceptance(result)}" if speculative else "")
+        + (_incomplete(result) if config.constraint is not None else "")
         + (f", oldest positions dropped by layer and kv head: {result.pruned_positions}" if generator.pruning else ""),
         file=sys.stderr,
     )

@@ -373,7 +373,8 @@ class Engine:
         config, prompt = request.config, request.prompt
         pruning = generator.pruning
         thresholds = None if pruning is None else pruning.thresholds(len(prompt) + config.max_new_tokens - 1)
-        self.rows[filling.row] = _Row(request, Search(config, [prompt], generator.eos, generator.pad))
+        search = Search(config, [prompt], generator.eos, generator.pad, generator.grammar(config.constraint))
+        self.rows[filling.row] = _Row(request, search)
         self.cache.join(filling.row, thresholds)
         self._choose(filling.row, logits)
 

@@ -17,6 +17,7 @@ import numpy as np
 import onnxruntime as ort
 
 from runtime.artifact import Artifact, ArtifactError, SessionOptions
+from runtime.constraints import Constraint, ConstraintError, Grammar, Grammars
 from runtime.contract import held_in_place
 from runtime.decode_step import DecodeStep
 from runtime.device_cache import DeviceCache, runs_keep_head_windows
@@ -82,6 +83,7 @@ class Generator:
         tokens = artifact.manifest["special_tokens"]
         self.eos = tuple(tokens["eos"] or ())
         self.pad = tokens["pad"] if tokens["pad"] is not None else (self.eos[0] if self.eos else 0)
+        self._grammars: Grammars | None = None  # structured outputs, set up by the first request that has one
         self.cache: DeviceCache | None = None  # the cache the latest call took
         self._idle: list[DeviceCache] = []  # caches no call holds, the most recently freed last
         self._idle_lock = threading.Lock()
@@ -132,6 +134,22 @@ class Generator:
         if config.speculative is not None:
             config.speculative.check(self, prompts, config)
             self.check_runs_of_tokens(len(prompts))
+        if config.constraint is not None:
+            self.grammar(config.constraint)
+            if config.min_new_tokens:
+                raise ConstraintError(
+                    "min_new_tokens cannot be combined with a constraint: the constraint decides where the text ends"
+                )
+
+    def grammar(self, constraint: Constraint | None) -> Grammar | None:
+        """The constraint compiled for this artifact's tokenizer (once; ConstraintError where it cannot be)."""
+        if constraint is None:
+            return None
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ConstraintError("structured outputs need the artifact's tokenizer; this artifact has none")
+            self._grammars = Grammars(self.tokenizer, self.artifact.vocab_size, self.eos)
+        return self._grammars.compile(constraint)
 
     def check_runs_of_tokens(self, rows: int) -> None:
         """Refuse speculative decoding where this artifact cannot run a token and its drafts in one run for `rows`."""
@@ -205,7 +223,7 @@ class Generator:
         run, binding = SessionClock(self.artifact.session), self.artifact.session.io_binding()
         logits = self.prefill(binding, cache, ids, mask, config.prefill_chunk, run)
         prefill_s, first_token_s, step_logits = run.seconds, None, []
-        search = Search(config, prompts, self.eos, self.pad)
+        search = Search(config, prompts, self.eos, self.pad, self.grammar(config.constraint))
         texts = [TextStream(self.tokenizer) for _ in prompts] if text_events and self.tokenizer else None
         decode_one_token = DecodeStep(self.artifact, cache, run)
         fed, lead, outputs = ids[:, -1:], 0, logits[:, None]  # the latest run's tokens (`lead` of them fed again)

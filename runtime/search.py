@@ -14,6 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
+from runtime.constraints import Constraint, Grammar
 from runtime.sampling import Sampler, SamplingConfig
 
 
@@ -45,10 +46,15 @@ class GenerationConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     prefill_chunk: int = 256  # prompts are prefilled in chunks of at most this many tokens (see prefill.chunk_size)
     speculative: Proposer | None = None  # how to guess the tokens a run verifies at once (None: one a run)
+    constraint: Constraint | None = None  # what the text must be (runtime/constraints.py; None: anything)
 
 
 class Search:
-    def __init__(self, config: GenerationConfig, prompts: list[list[int]], eos: Iterable[int], pad: int):
+    def __init__(
+        self, config: GenerationConfig, prompts: list[list[int]], eos: Iterable[int], pad: int,
+        grammar: Grammar | None = None,
+    ):  # fmt: skip
+        """`grammar`: config.constraint compiled for the artifact's tokenizer (None where there is none)."""
         self.config, self.pad = config, pad
         self.sampler = Sampler(config.sampling)
         self.stop_ids = frozenset(eos) | frozenset(config.stop_tokens)
@@ -62,6 +68,7 @@ class Search:
         self.steps = 0  # tokens chosen so far, per running row
         speculative = config.speculative
         self.guessers = None if speculative is None else [speculative.start(prompt, config) for prompt in prompts]
+        self.matchings = None if grammar is None else [grammar.start(self.stop_ids) for _ in prompts]
         self.no_drafts = np.zeros((len(prompts), 0), dtype=np.int64)
         self.latest, self.drawn_from = self.no_drafts, ()  # the latest drafts, and the q of each where drawn
         self.proposed = self.accepted = 0  # drafts verified, and those the search then chose
@@ -81,12 +88,22 @@ class Search:
     def choose(self, logits: np.ndarray, index: int = 0) -> np.ndarray:
         """Each row's next token `[rows]` from its logits `[rows, vocab]` at position `index` of a run (where the draft
         at `index` was drawn from a distribution, by `Sampler.verify`'s rule); padding for a row that has ended."""
+        if self.matchings is not None:
+            logits = self._constrained(logits)
         if index < len(self.drawn_from):
             drafts = self.latest[:, index]
             chosen = self.sampler.verify(logits, drafts, self.drawn_from[index][None], self.context, self.banned)
         else:
             chosen = self.sampler.choose(logits, self.context, self.banned)
         return np.where(self.ended, self.pad, chosen) if self.finished else chosen
+
+    def _constrained(self, logits: np.ndarray) -> np.ndarray:
+        """The logits with every token the row's constraint refuses next at -inf."""
+        logits = np.array(logits, dtype=np.float32)
+        for row, matching in enumerate(self.matchings):
+            if not self.ended[row]:
+                logits[row, ~matching.allowed()] = -np.inf
+        return logits
 
     def record(self, chosen: np.ndarray) -> list[tuple[int, int, bool]]:
         """Take each running row's `chosen` token; returns (row, token, last) for each, `last` when the row ends
@@ -101,6 +118,8 @@ class Search:
             self.tokens[row].append(token)
             if self.guessers is not None:
                 self.guessers[row].push(token)
+            if self.matchings is not None:
+                self.matchings[row].push(token)
             if self.context is not None:
                 self.context[row] = np.append(self.context[row], token)
             if token in self.stop_ids and self.steps >= self.config.min_new_tokens:
@@ -122,6 +141,11 @@ class Search:
         guesses = [
             None if ended else guesser.propose(most) for guesser, ended in zip(self.guessers, self.ended, strict=True)
         ]
+        if self.matchings is not None:  # a guess the constraint refuses is never chosen: not worth verifying
+            guesses = [
+                guess if guess is None else matching.valid_prefix(guess)
+                for guess, matching in zip(guesses, self.matchings, strict=True)
+            ]
         count = min(len(guess) for guess in guesses if guess is not None)
         drafts = np.full((len(guesses), count), self.pad, dtype=np.int64)
         for row, guess in enumerate(guesses):
