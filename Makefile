@@ -100,11 +100,12 @@ bench-long: setup
 	$(PY) bench/long_context.py $(BENCH_LONG_FLAGS)
 	$(PY) bench/kept_keys.py
 
-# kvg-serve under 1, 8 and 32 concurrent clients against the same requests one after another (bench/README.md);
-# BENCH_SERVE_FLAGS e.g. "--runs 1 --clients 8"
+# kvg-serve under 1, 8 and 32 concurrent clients against the same requests one after another, then two scenarios
+# and structured outputs' cost (bench/README.md); BENCH_SERVE_FLAGS e.g. "--runs 1 --clients 8"
 bench-serve: setup
 	$(PY) bench/serve_load.py $(BENCH_SERVE_FLAGS)
 	$(PY) bench/serve_scenarios.py $(BENCH_SCENARIO_FLAGS)
+	$(PY) bench/serve_structured.py $(BENCH_STRUCTURED_FLAGS)
 
 # onnxruntime's profiler on a decode: time and nodes per operator type (see bench/README.md); PROFILE_FLAGS e.g.
 # "--models fox-py --quantize fp32 int8", "--no-peers"

@@ -288,6 +288,12 @@ def sweep(model: str, threads: int, runs: int) -> list[dict]:
     return points
 
 
+def artifact_vocab(folder: str) -> int:
+    """The vocabulary of an artifact's model, for prompts of random ids."""
+    with open(os.path.join(folder, "kvg_config.json")) as manifest:
+        return json.load(manifest)["model"]["vocab_size"]
+
+
 def machine() -> dict:
     with open("/proc/cpuinfo") as info:
         cpu = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "")

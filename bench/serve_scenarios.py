@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
@@ -27,7 +26,7 @@ from contextlib import ExitStack
 
 import numpy as np
 from report import record
-from run import add_attention_option, artifact, machine, settle
+from run import add_attention_option, artifact, artifact_vocab, machine, settle
 from serve_load import server_flags
 from sse_client import Connection
 
@@ -155,8 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     threads = os.cpu_count()
     folder = artifact("fox-small", "static", LENGTH, args.attention)
-    with open(os.path.join(folder, "kvg_config.json")) as manifest:
-        vocab = json.load(manifest)["model"]["vocab_size"]
+    vocab = artifact_vocab(folder)
     configurations = {
         "long": {
             "budget 32": ["--prefill-budget", "32"],

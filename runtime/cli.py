@@ -78,7 +78,7 @@ def constraint(args: argparse.Namespace) -> Constraint | None:
 
 def _incomplete(result) -> str:
     cut = result.finish_reasons.count("length")
-    return f", {cut} answer(s) cut at --max-new-tokens before the constraint was complete" if cut else ""
+    return f", {cut} answer(s) reached --max-new-tokens before their constraint let them end" if cut else ""
 
 
 def _acceptance(result) -> str:

@@ -132,7 +132,7 @@ class Matching:
 
     def _fill(self) -> np.ndarray:
         fill_next_token_bitmask(self.matcher, self.bits)
-        allowed = np.unpackbits(self.bits.view(np.uint8), bitorder="little")[: self.vocab].astype(bool)
+        allowed = np.unpackbits(self.bits.view(np.uint8), bitorder="little")[: self.vocab].view(bool)
         allowed[self.stops] = allowed[self.eos].any()  # an end only where llguidance may end
         return allowed
 

@@ -165,10 +165,11 @@ def test_every_other_command_block_runs_and_its_clients_talk_to_its_servers(work
     """Each block's commands in order, the README's and docs/'s; a server is started, answers a text prompt, the
     pages' Python clients of the model it serves run against it, and it is stopped."""
     clients = [block for block in blocks("python") if SHOWN_PORT in block]
-    assert clients, "the documentation shows a client of kvg-serve"
+    curls = [block for block in blocks("sh") if SHOWN_PORT in block]  # run whole, `set -e`: each request must answer
+    assert clients and curls, "the documentation shows clients of kvg-serve, in Python and with curl"
     served = []
     for block in blocks("sh")[1:]:
-        for command in commands(block):
+        for command in [] if block in curls else commands(block):
             target = command.split()[1] if command.startswith("make ") else None
             if target in DRY_RUN:
                 run(shell(command.replace("make ", "make -n ", 1), workspace), workspace)
@@ -182,11 +183,15 @@ def test_every_other_command_block_runs_and_its_clients_talk_to_its_servers(work
                         if f'model="{name}"' in client:
                             run_python(client, workspace, url)
                             served.append(client)
+                    for curl in curls:
+                        if name in curl:
+                            run("set -e\n" + curl.replace(f"http://{SHOWN_PORT}", url), workspace)
+                            served.append(curl)
                 finally:
                     stop(process)
             else:
                 run(shell(command, workspace), workspace)
-    assert sorted(served) == sorted(clients)  # each client ran, against the server of the model it names
+    assert sorted(served) == sorted(clients + curls)  # each client ran, against the server of the model it names
 
 
 def test_every_python_block_runs(workspace):
