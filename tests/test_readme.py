@@ -165,7 +165,7 @@ def test_every_other_command_block_runs_and_its_clients_talk_to_its_servers(work
     """Each block's commands in order, the README's and docs/'s; a server is started, answers a text prompt, the
     pages' Python clients of the model it serves run against it, and it is stopped."""
     clients = [block for block in blocks("python") if SHOWN_PORT in block]
-    curls = [block for block in blocks("sh") if SHOWN_PORT in block]  # run whole, `set -e`: each request must answer
+    curls = [block for block in blocks("sh") if f"curl -sf http://{SHOWN_PORT}" in block]  # run whole, `set -e`
     assert clients and curls, "the documentation shows clients of kvg-serve, in Python and with curl"
     served = []
     for block in blocks("sh")[1:]:
