@@ -127,7 +127,8 @@ def tokenizer_difference(draft: Generator, target: Generator) -> str | None:
         return None
     vocab, target_vocab = draft.tokenizer.bpe.get_vocab(), target.tokenizer.bpe.get_vocab()
     if vocab != target_vocab:
-        token = min(set(vocab.items()) ^ set(target_vocab.items()), key=lambda item: item[1])[0]
+        ours_alone = set(vocab.items()) - set(target_vocab.items())  # the draft's view first: one answer, every run
+        token = min(ours_alone or set(target_vocab.items()) - set(vocab.items()), key=lambda item: item[::-1])[0]
         return f"its tokenizer gives {token!r} id {vocab.get(token)}, the target's id {target_vocab.get(token)}"
     if draft.tokenizer.bpe.to_str() != target.tokenizer.bpe.to_str():
         return "its tokenizer.json differs from the target's beyond the vocabulary (merges or text handling)"
