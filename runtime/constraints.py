@@ -9,7 +9,9 @@ runtime/ must not import (xgrammar's Python package requires torch).
 A row's mask for its next token is computed on a worker thread from the moment its latest token is known, so it
 overlaps the onnxruntime run that takes that token (llguidance releases the GIL while it computes). A row may end
 only where its constraint is complete: the artifact's and the request's stop tokens are allowed exactly when
-llguidance allows its end of sequence, so a row that runs out of tokens first ends with "length".
+llguidance allows its end of sequence, so a row that runs out of tokens first ends with "length". What llguidance
+matches over is the tokenizer's vocabulary, or for a JSON-escaping tokenizer one of its own
+(runtime/grammar_vocabulary.py), whose state each row keeps.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import llguidance
 import numpy as np
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
+from runtime.grammar_vocabulary import EscapedVocabulary, PlainVocabulary
 from runtime.tokenizer import TextTokenizer
 
 # Compact JSON (no whitespace between tokens, "," and ":" as separators, as json.dumps(..., separators=(",", ":"))
@@ -90,50 +93,46 @@ class Grammars:
     """The constraints compiled for one artifact's tokenizer (its vocabulary and end tokens), each once."""
 
     def __init__(self, tokenizer: TextTokenizer, vocab: int, eos: tuple[int, ...]):
-        if tokenizer.escaped:
-            raise ConstraintError(
-                "structured outputs need a tokenizer whose tokens are the text's own bytes; this artifact's "
-                "tokenizer JSON-escapes text first (the released FoX checkpoints'), so a token may hold half of an "
-                "escape that no token mask can follow"
-            )
         if not eos:
             raise ConstraintError("structured outputs end a text with an end token; this artifact names no eos")
-        self.vocab, self.eos = vocab, eos
-        self.tokenizer = llguidance.LLTokenizer(tokenizer.bpe.to_str(), n_vocab=vocab, eos_token=list(eos))
+        escaped = tokenizer.escaped
+        self.vocabulary = EscapedVocabulary(tokenizer, vocab) if escaped else PlainVocabulary(tokenizer, vocab, eos)
         self.compile = lru_cache(COMPILED_CACHE)(self._compile)
 
     def _compile(self, constraint: Constraint) -> Grammar:
         """The constraint ready to hold rows to; ConstraintError naming what llguidance refuses."""
-        matcher = llguidance.LLMatcher(self.tokenizer, constraint.grammar_text(), log_level=0)
+        matcher = llguidance.LLMatcher(self.vocabulary.llguidance, constraint.grammar_text(), log_level=0)
         if matcher.is_error():
             raise ConstraintError(f"{constraint.kind}: {matcher.get_error().strip()}")
-        return Grammar(self, matcher)
+        return Grammar(self.vocabulary, matcher)
 
 
 @dataclass(frozen=True)
 class Grammar:
-    grammars: Grammars
+    vocabulary: PlainVocabulary | EscapedVocabulary
     start_state: llguidance.LLMatcher  # never advanced: each row copies it
 
     def start(self, stops: frozenset[int]) -> Matching:
         """A row held to the grammar from its first token; `stops`: the ids that end the row."""
-        return Matching(self.start_state.deep_copy(), self.grammars, stops)
+        return Matching(self.start_state.deep_copy(), self.vocabulary, stops)
 
 
 class Matching:
     """One row's place in its grammar, and the mask of the tokens that may come next."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, grammars: Grammars, stops: frozenset[int]):
-        self.matcher, self.vocab = matcher, grammars.vocab
-        self.eos = np.array(grammars.eos, dtype=np.int64)
+    def __init__(self, matcher: llguidance.LLMatcher, vocabulary: PlainVocabulary | EscapedVocabulary,
+                 stops: frozenset[int]):  # fmt: skip
+        self.matcher, self.vocabulary = matcher, vocabulary
+        self.state = 0  # the vocabulary's: for an escaping tokenizer, whether a backslash is pending
         self.stops = np.array(sorted(stops), dtype=np.int64)
-        self.bits = allocate_token_bitmask(1, grammars.vocab)
+        self.bits = allocate_token_bitmask(1, vocabulary.llguidance.vocab_size)
         self._mask: Future = _workers().submit(self._fill)
 
     def _fill(self) -> np.ndarray:
         fill_next_token_bitmask(self.matcher, self.bits)
-        allowed = np.unpackbits(self.bits.view(np.uint8), bitorder="little")[: self.vocab].view(bool)
-        allowed[self.stops] = allowed[self.eos].any()  # an end only where llguidance may end
+        every = np.unpackbits(self.bits.view(np.uint8), bitorder="little").view(bool)
+        allowed = self.vocabulary.allowed(every, self.state, self.matcher)
+        allowed[self.stops] = self.vocabulary.may_end(every, self.state)  # an end only where llguidance may end
         return allowed
 
     def allowed(self) -> np.ndarray:
@@ -144,11 +143,21 @@ class Matching:
         """The row's next token; the mask after it starts computing at once."""
         if token in self.stops:
             return
-        if not self.matcher.consume_token(token):
+        ids, self.state = self.vocabulary.ids(token, self.state)
+        if ids and not self.matcher.consume_tokens(ids):
             raise ConstraintError(f"token {token} breaks the constraint: {self.matcher.get_error().strip()}")
         self._mask = _workers().submit(self._fill)
 
     def valid_prefix(self, tokens: list[int]) -> list[int]:
         """The longest start of `tokens` the grammar accepts from here (drafts beyond it cannot be chosen)."""
         self._mask.result()  # the matcher is the worker's until its mask is out
-        return tokens[: self.matcher.validate_tokens(tokens)]
+        ends, ids, state = [], [], self.state
+        for token in tokens:
+            read = self.vocabulary.ids(token, state)
+            if read is None:
+                break
+            more, state = read
+            ids += more
+            ends.append(len(ids))
+        valid = self.matcher.validate_tokens(ids) if ids else 0
+        return tokens[: sum(end <= valid for end in ends)]

@@ -13,12 +13,11 @@ import pytest
 from test_engine import served
 
 from runtime.artifact import SessionOptions
-from runtime.constraints import Constraint, ConstraintError, Grammars
+from runtime.constraints import Constraint, ConstraintError
 from runtime.engine import Engine
 from runtime.generator import GenerationConfig, Generator
 from runtime.prompt_lookup import PromptLookup
 from runtime.sampling import SamplingConfig
-from runtime.tokenizer import TextRules, TextTokenizer
 
 CPU = SessionOptions(provider="cpu")
 SCHEMA = {
@@ -111,12 +110,6 @@ def test_what_cannot_be_held_to_is_refused_before_any_work(generator):
             generator.generate(PROMPTS[:1], GenerationConfig(8, constraint=constraint))
     with pytest.raises(ConstraintError, match="min_new_tokens"):
         generator.generate(PROMPTS[:1], GenerationConfig(8, 2, constraint=CHECKS["regex"][0]))
-
-
-def test_a_json_escaping_tokenizer_is_refused_naming_why(generator):
-    escaping = TextTokenizer(generator.tokenizer.bpe, TextRules(escape="json"))
-    with pytest.raises(ConstraintError, match="JSON-escapes"):
-        Grammars(escaping, generator.artifact.vocab_size, generator.eos)
 
 
 def test_the_mask_allows_exactly_the_tokens_that_continue_the_text(generator):

@@ -4,6 +4,7 @@ bos or eos id. Every path a text takes (the Generator, kvg-serve, kvg-eval, lm-e
 artifact) is held to transformers' GPT2Tokenizer with the official escaping applied here."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from itertools import pairwise
 from pathlib import Path
 
 import httpx
+import jsonschema
 import numpy as np
 import pytest
 import torch
@@ -27,7 +29,10 @@ from kvg_export import FoxConfig, FoxForCausalLM
 from kvg_export.corpus import read_split
 from kvg_export.onnx_model import OnnxFoxForCausalLM
 from kvg_export.presets import load_model
+from runtime.constraints import Constraint
 from runtime.generator import GenerationConfig, Generator
+from runtime.prompt_lookup import PromptLookup
+from runtime.sampling import SamplingConfig
 from runtime.text_stream import TextStream
 from runtime.tokenizer import TextTokenizer
 
@@ -279,3 +284,61 @@ def test_importing_kvg_export_alone_lets_transformers_load_the_released_folder(r
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert done.stdout.split() == ["False", "FoxForCausalLM", "JSONGPT2Tokenizer", "True"]
+
+
+# Structured outputs over the escaping tokenizer: answers with quotes and newlines, which it writes as escapes
+ESCAPED_SCHEMA = {
+    "type": "object",
+    "properties": {"say": {"type": "string", "maxLength": 5}, "ok": {"type": "boolean"}},
+    "required": ["say", "ok"],
+    "additionalProperties": False,
+}
+TWO_LINES = r"[a-z]{1,4}\n[a-z]{1,4}"
+QUOTED = ['say "hi"', 'say "ho"', "a\\b", "two\nlines"]
+
+
+def test_structured_answers_hold_in_the_text_the_escaping_tokenizer_writes(artifact):
+    generator = Generator.open(artifact, CPU)
+    checks = [(Constraint.json_schema(ESCAPED_SCHEMA), lambda text: jsonschema.validate(json.loads(text),
+                                                                                       ESCAPED_SCHEMA) or 1),
+              (Constraint.regex(TWO_LINES), lambda text: re.fullmatch(TWO_LINES, text)),
+              (Constraint.choice(QUOTED), lambda text: text in QUOTED)]  # fmt: skip
+    for constraint, valid in checks:
+        for sampling in (SamplingConfig(), SamplingConfig(temperature=1.0, seed=3), SamplingConfig(1.5, seed=4)):
+            result = generator.generate(PROMPTS[:2], GenerationConfig(60, sampling=sampling, constraint=constraint))
+            assert result.finish_reasons == ["stop", "stop"], result.text
+            assert all(valid(text) for text in result.text), (constraint.kind, result.text)
+        guessed = GenerationConfig(60, constraint=constraint, speculative=PromptLookup(min_ngram=1))
+        assert (
+            generator.generate(PROMPTS[:1], guessed).tokens
+            == generator.generate(PROMPTS[:1], GenerationConfig(60, constraint=constraint)).tokens
+        )  # guesses cut where the grammar refuses them, choices under the mask
+
+
+def test_an_escaped_tokens_mask_is_every_token_that_continues_an_answer_escaped(artifact, gpt2):
+    """Independently of llguidance: a token may come next exactly when the escaped text so far followed by the
+    token's text begins the escaping of an answer; the end, exactly when it is one. Walked character by character
+    along each answer, so a step begins with a backslash pending."""
+    generator = Generator.open(artifact, CPU)
+    vocab = generator.artifact.vocab_size
+    texts = [gpt2.convert_tokens_to_string([gpt2.convert_ids_to_tokens(i)]) for i in range(vocab)]
+    word = max((text for text in texts if text.isalpha()), key=len)  # its first three letters forced, then a choice:
+    for answers in (QUOTED, [word + "!", word[:3] + "?"], ['{"name":"x"}']):  # a token writes past the forced text;
+        check_masks_along(generator, gpt2, answers, texts)  # none does
+
+
+def check_masks_along(generator: Generator, gpt2: GPT2Tokenizer, answers: list[str], texts: list[str]) -> None:
+    end = gpt2.convert_tokens_to_ids(END)
+    grammar = generator.grammar(Constraint.choice(answers))
+    escaped = [official_escape(answer) for answer in answers]
+    for answer in escaped:
+        matching, written = grammar.start(frozenset(generator.eos)), ""
+        for char in [*answer, None]:
+            expected = np.array([i != end and any(e.startswith(written + t) for e in escaped) for i, t in
+                                 enumerate(texts)])  # fmt: skip
+            expected[end] = written in escaped
+            allowed = matching.allowed()
+            assert (allowed == expected).all(), (written, [texts[i] for i in np.flatnonzero(allowed != expected)])
+            if char is not None:
+                matching.push(gpt2.convert_tokens_to_ids(gpt2.byte_encoder[ord(char)]))
+                written += char
