@@ -49,9 +49,9 @@ CHECKS = {
 }
 
 
-@pytest.fixture(scope="module", params=["fox-py", "fox-tiny"])
+@pytest.fixture(scope="module", params=["fox-py", "fox-pro-py", "fox-tiny"])
 def generator(request, exported):
-    """A trained preset, and random weights (the constraint, not the model, makes its answers valid)."""
+    """The trained presets, and random weights (the constraint, not the model, makes its answers valid)."""
     return Generator.open(exported(request.param, "static")[0].path, CPU)
 
 
