@@ -69,6 +69,11 @@ class SystemResult:
         return cls(name, scores.perplexity, scores.mean_nll, scores.accuracy, round(seconds, 2))
 
 
+def relative_diff(artifact: float | None, eager: float) -> float | None:
+    """The artifact's figure against eager's, relative; None where no artifact was scored."""
+    return None if artifact is None else (artifact - eager) / eager
+
+
 @dataclass
 class Band:
     """The figures over the tokens at window positions first..last (inclusive; a token at position p is
@@ -84,9 +89,7 @@ class Band:
 
     @property
     def relative_perplexity_diff(self) -> float | None:
-        if self.artifact_perplexity is None:
-            return None
-        return (self.artifact_perplexity - self.eager_perplexity) / self.eager_perplexity
+        return relative_diff(self.artifact_perplexity, self.eager_perplexity)
 
     @classmethod
     def of(cls, first: int, last: int, eager: Scores, artifact: Scores | None) -> Band:
@@ -145,9 +148,7 @@ class Evaluation:
 
     @property
     def relative_perplexity_diff(self) -> float | None:
-        if self.artifact is None:
-            return None
-        return (self.artifact.perplexity - self.eager.perplexity) / self.eager.perplexity
+        return relative_diff(None if self.artifact is None else self.artifact.perplexity, self.eager.perplexity)
 
     @property
     def failures(self) -> list[str]:
