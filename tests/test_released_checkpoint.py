@@ -342,3 +342,17 @@ def check_masks_along(generator: Generator, gpt2: GPT2Tokenizer, answers: list[s
             if char is not None:
                 matching.push(gpt2.convert_tokens_to_ids(gpt2.byte_encoder[ord(char)]))
                 written += char
+
+
+def test_kvg_serve_holds_the_escaping_tokenizers_answers_to_a_constraint_whole_and_streamed(artifact):
+    with serving(Generator.open(artifact, CPU)) as (url, _engine):
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 40, "temperature": 1.0, "seed": 2,
+                "structured_outputs": {"regex": TWO_LINES}}  # fmt: skip
+        whole = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+        assert whole["finish_reason"] == "stop" and re.fullmatch(TWO_LINES, whole["text"]), whole
+        text = ""
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as events:
+            for line in events.iter_lines():
+                if line.startswith("data: {"):
+                    text += "".join(choice["text"] for choice in json.loads(line[6:])["choices"])
+        assert text == whole["text"]
