@@ -135,3 +135,14 @@ def test_kvg_generate_answers_under_a_schema_and_refuses_a_bad_one(exported, tmp
     schema.write_text('{"type": "objet"}')
     done = subprocess.run([*command, "--json-schema", str(schema)], capture_output=True, text=True)
     assert done.returncode == 2 and "Invalid type: objet" in done.stderr and not done.stdout
+
+
+def test_a_requests_own_stop_token_may_end_a_row_only_where_the_constraint_is_complete(generator):
+    """A chat template's end of turn is a stop token that may also be text: under a constraint it ends the row,
+    so it is allowed exactly where the model's eos is."""
+    stop = generator.tokenizer.token_to_id("a")
+    matching = generator.grammar(Constraint.regex("a+b")).start(frozenset([*generator.eos, stop]))
+    assert not matching.allowed()[[stop, *generator.eos]].any()  # "a" is the grammar's next text, not an end
+    for token in generator.tokenizer.encode("aab", bos=False):
+        matching.push(token)
+    assert matching.allowed()[[stop, *generator.eos]].all()
