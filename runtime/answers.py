@@ -60,6 +60,15 @@ class ResponseFormat(BaseModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
+    def constraint(self) -> Constraint | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return Constraint.json_object()
+        if self.json_schema is None:
+            raise ApiError(400, "response_format of type json_schema needs its json_schema", param="response_format")
+        return Constraint.json_schema(self.json_schema.json_schema)
+
 
 class StructuredOutputs(BaseModel):
     """vLLM's `structured_outputs`: one of a JSON schema, a regular expression, a list of choices or a grammar
@@ -71,6 +80,17 @@ class StructuredOutputs(BaseModel):
     choice: list[str] | None = Field(None, min_length=1)
     grammar: str | None = None
     json_object: bool | None = None
+
+    def constraints(self) -> dict[str, Constraint]:
+        """Each one given, by its parameter's name."""
+        given = {"json": (self.json_schema, Constraint.json_schema), "regex": (self.regex, Constraint.regex),
+                 "choice": (self.choice, Constraint.choice), "grammar": (self.grammar, Constraint.grammar)}  # fmt: skip
+        named = {
+            f"structured_outputs.{name}": build(value) for name, (value, build) in given.items() if value is not None
+        }
+        if self.json_object:
+            named["structured_outputs.json_object"] = Constraint.json_object()
+        return named
 
 
 class GenerationRequest(BaseModel):
@@ -106,36 +126,15 @@ class GenerationRequest(BaseModel):
 
     def constraint(self) -> Constraint | None:
         """What the answer must be, from `response_format` or `structured_outputs` (one at most)."""
-        named = []
-        if self.response_format is not None and self.response_format.type != "text":
-            form = self.response_format
-            if form.type == "json_object":
-                named.append(("response_format", Constraint.json_object()))
-            elif form.json_schema is None:
-                raise ApiError(400, "response_format of type json_schema needs its json_schema",
-                               param="response_format")  # fmt: skip
-            else:
-                named.append(("response_format", Constraint.json_schema(form.json_schema.json_schema)))
-        outputs = self.structured_outputs
-        if outputs is not None:
-            named += [
-                (f"structured_outputs.{name}", constraint)
-                for name, constraint in (
-                    ("json", None if outputs.json_schema is None else Constraint.json_schema(outputs.json_schema)),
-                    ("regex", None if outputs.regex is None else Constraint.regex(outputs.regex)),
-                    ("choice", None if outputs.choice is None else Constraint.choice(outputs.choice)),
-                    ("grammar", None if outputs.grammar is None else Constraint.grammar(outputs.grammar)),
-                    ("json_object", Constraint.json_object() if outputs.json_object else None),
-                )
-                if constraint is not None
-            ]
+        named = {} if self.structured_outputs is None else self.structured_outputs.constraints()
+        if self.response_format is not None and (constraint := self.response_format.constraint()) is not None:
+            named = {"response_format": constraint, **named}
         if len(named) > 1:
-            raise ApiError(400, f"one constraint a request: {', '.join(name for name, _ in named)} were all given",
-                           param=named[1][0])  # fmt: skip
+            raise ApiError(400, f"one constraint a request: {', '.join(named)} were all given", param=list(named)[1])
         if named and self.stops:
             raise ApiError(400, "stop cannot be combined with a structured output: the constraint decides where "
                            "the text ends", param="stop")  # fmt: skip
-        return named[0][1] if named else None
+        return next(iter(named.values()), None)
 
 
 class ApiError(Exception):

@@ -124,15 +124,15 @@ class Matching:
                  stops: frozenset[int]):  # fmt: skip
         self.matcher, self.vocabulary = matcher, vocabulary
         self.state = 0  # the vocabulary's: for an escaping tokenizer, whether a backslash is pending
-        self.stops = np.array(sorted(stops), dtype=np.int64)
+        self.stops, self.stop_ids = stops, np.array(sorted(stops), dtype=np.int64)
         self.bits = allocate_token_bitmask(1, vocabulary.llguidance.vocab_size)
         self._mask: Future = _workers().submit(self._fill)
 
     def _fill(self) -> np.ndarray:
         fill_next_token_bitmask(self.matcher, self.bits)
-        every = np.unpackbits(self.bits.view(np.uint8), bitorder="little").view(bool)
+        every = np.unpackbits(self.bits.view(np.uint8), bitorder="little").view(bool)  # a new array each time
         allowed = self.vocabulary.allowed(every, self.state, self.matcher)
-        allowed[self.stops] = self.vocabulary.may_end(every, self.state)  # an end only where llguidance may end
+        allowed[self.stop_ids] = self.vocabulary.may_end(every, self.state)  # an end only where llguidance may end
         return allowed
 
     def allowed(self) -> np.ndarray:

@@ -31,7 +31,7 @@ class PlainVocabulary:
         self.llguidance = LLTokenizer(tokenizer.bpe.to_str(), n_vocab=vocab, eos_token=list(eos))
 
     def allowed(self, every: np.ndarray, _state: int, _matcher: LLMatcher) -> np.ndarray:
-        return every[: self.size].copy()
+        return every[: self.size]  # `every` is the mask's own: a view may be written
 
     def may_end(self, every: np.ndarray, _state: int) -> bool:
         return bool(every[self.eos].any())
@@ -114,7 +114,7 @@ class EscapedVocabulary:
         the bytes the grammar forces next: where no token writes past them, llguidance's mask holds only the first
         token of their tokenization (this vocabulary spells them byte by byte), so every token that writes a start
         of them is added."""
-        allowed = every[state * self.size : (state + 1) * self.size].copy()
+        allowed = every[state * self.size : (state + 1) * self.size]  # `every` is the mask's own: written in place
         tokens, ids = self.completions[state]
         allowed[tokens] = every[ids].any(axis=1)
         forced = matcher.compute_ff_bytes()

@@ -111,7 +111,7 @@ class RowCache:
             with buffers.on_host(self.buffers[past], "float32", self.device) as host:
                 host[row, :, first : self.clock] = 0
         for past, _ in self.shifted:  # the step read the spare's state and wrote the current buffer's
-            host = buffers.to_host(self.spare[past], self.dtypes[past])[row].copy()
+            host = buffers.to_host(self.spare[past], self.dtypes[past])[row]
             with buffers.on_host(self.buffers[past], self.dtypes[past], self.device) as state:
                 state[row] = host
         return again

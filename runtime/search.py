@@ -99,10 +99,8 @@ class Search:
 
     def _constrained(self, logits: np.ndarray) -> np.ndarray:
         """The logits with every token the row's constraint refuses next at -inf."""
-        allowed = np.ones(logits.shape, dtype=bool)
-        for row, matching in enumerate(self.matchings):
-            if not self.ended[row]:
-                allowed[row] = matching.allowed()
+        allowed = np.stack([matching.allowed() for matching in self.matchings])
+        allowed[self.ended] = True  # a row that has ended is given padding whatever its logits
         return np.where(allowed, logits, np.float32(-np.inf))  # 6x faster than assigning through a boolean index
 
     def record(self, chosen: np.ndarray) -> list[tuple[int, int, bool]]:

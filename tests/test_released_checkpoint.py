@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_serve import CPU, MODEL, serving
+from test_serve import CPU, MODEL, serving, streamed_text
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, GPT2Tokenizer, GPT2TokenizerFast
 
@@ -350,9 +350,4 @@ def test_kvg_serve_holds_the_escaping_tokenizers_answers_to_a_constraint_whole_a
                 "structured_outputs": {"regex": TWO_LINES}}  # fmt: skip
         whole = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]
         assert whole["finish_reason"] == "stop" and re.fullmatch(TWO_LINES, whole["text"]), whole
-        text = ""
-        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as events:
-            for line in events.iter_lines():
-                if line.startswith("data: {"):
-                    text += "".join(choice["text"] for choice in json.loads(line[6:])["choices"])
-        assert text == whole["text"]
+        assert streamed_text(url, "completions", body) == (whole["text"], "stop")

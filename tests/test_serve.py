@@ -74,6 +74,19 @@ def client(url: str) -> openai.OpenAI:
 GREEDY = SamplingConfig()
 
 
+def streamed_text(url: str, route: str, body: dict) -> tuple[str, str]:
+    """The text of a streamed answer's chunks joined, and its finish reason."""
+    text, reason = "", None
+    with httpx.stream("POST", f"{url}/v1/{route}", json={**body, "stream": True}, timeout=60) as answer:
+        assert answer.status_code == 200, answer.read()
+        for line in answer.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                choice = json.loads(line[6:])["choices"][0]
+                text += choice["delta"].get("content") or "" if "delta" in choice else choice["text"]
+                reason = choice["finish_reason"] or reason
+    return text, reason
+
+
 def alone(generator: Generator, prompt: list[int], max_tokens: int, sampling=GREEDY, min_tokens: int = 0):
     """(tokens, text, finish reason) of the prompt run by itself through the Generator."""
     result = generator.generate([prompt], GenerationConfig(max_tokens, min_tokens, sampling=sampling))

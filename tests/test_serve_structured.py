@@ -9,7 +9,7 @@ import httpx
 import jsonschema
 import pytest
 from test_constraints import CHOICES, PATTERN
-from test_serve import client
+from test_serve import client, streamed_text
 from test_serve_chat import MESSAGES, RENDERED, server  # noqa: F401 (the fixture)
 
 SAMPLED = {"temperature": 1.0, "seed": 5}
@@ -21,19 +21,6 @@ SCHEMA = {
     "required": ["kind", "public", "name"],
     "additionalProperties": False,
 }  # fmt: skip
-
-
-def streamed_text(url: str, route: str, body: dict) -> tuple[str, str]:
-    """The text of a streamed answer's chunks joined, and its finish reason."""
-    text, reason = "", None
-    with httpx.stream("POST", f"{url}/v1/{route}", json={**body, "stream": True}, timeout=60) as answer:
-        assert answer.status_code == 200, answer.read()
-        for line in answer.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                choice = json.loads(line[6:])["choices"][0]
-                text += choice["delta"].get("content") or "" if "delta" in choice else choice["text"]
-                reason = choice["finish_reason"] or reason
-    return text, reason
 
 
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, SAMPLED])
