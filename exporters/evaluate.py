@@ -92,6 +92,11 @@ class Band:
         return relative_diff(self.artifact_perplexity, self.eager_perplexity)
 
     @classmethod
+    def whole(cls, eager: Scores, artifact: Scores | None) -> Band:
+        """The band of every predicted position: the overall figures."""
+        return cls.of(int(eager.positions.min()), int(eager.positions.max()), eager, artifact)
+
+    @classmethod
     def of(cls, first: int, last: int, eager: Scores, artifact: Scores | None) -> Band:
         chosen = (eager.positions >= first) & (eager.positions <= last)
         band = cls(first, last, int(chosen.sum()), float(np.exp(eager.nll[chosen].mean())))
@@ -138,17 +143,24 @@ class Evaluation:
     text: dict  # what was scored: source, files, digest, tokens
     window_tokens: int
     windows: int
-    predicted_tokens: int
     eager: SystemResult
+    overall: Band  # every predicted position, judged by the thresholds on perplexity and top-1 agreement
     artifact: SystemResult | None = None
-    top1_agreement: float | None = None
     thresholds: Thresholds = field(default_factory=Thresholds)
     bands: list[Band] = field(default_factory=list)  # judged by the thresholds like the overall figures
     curve: list[Band] = field(default_factory=list)  # the position_bins: perplexity against position, not judged
 
     @property
+    def predicted_tokens(self) -> int:
+        return self.overall.predicted_tokens
+
+    @property
+    def top1_agreement(self) -> float | None:
+        return self.overall.top1_agreement
+
+    @property
     def relative_perplexity_diff(self) -> float | None:
-        return relative_diff(None if self.artifact is None else self.artifact.perplexity, self.eager.perplexity)
+        return self.overall.relative_perplexity_diff
 
     @property
     def failures(self) -> list[str]:
@@ -156,22 +168,25 @@ class Evaluation:
         if self.artifact is None:
             return []
         found, limits = [], self.thresholds
-        judged = [("perplexity", self.eager.perplexity, self.artifact.perplexity, self.relative_perplexity_diff)]
-        judged += [(f"positions {b.first}-{b.last}: perplexity", b.eager_perplexity, b.artifact_perplexity,
-                    b.relative_perplexity_diff) for b in self.bands]  # fmt: skip
-        for what, eager, artifact, diff in judged:
+        judged = [("perplexity", self.overall)] + [(f"positions {b.first}-{b.last}: perplexity", b) for b in self.bands]
+        for what, band in judged:
+            diff = band.relative_perplexity_diff
             if not abs(diff) <= limits.max_relative_perplexity_diff:  # NaN fails too
                 found.append(
-                    f"{what} {artifact:.6g} differs from eager's {eager:.6g} by {diff:+.3%}, "
-                    f"over {limits.max_relative_perplexity_diff:.3%}"
+                    f"{what} {band.artifact_perplexity:.6g} differs from eager's {band.eager_perplexity:.6g} by "
+                    f"{diff:+.3%}, over {limits.max_relative_perplexity_diff:.3%}"
                 )
         if self.top1_agreement < limits.min_top1_agreement:
             found.append(f"top-1 agreement {self.top1_agreement:.3%} is under {limits.min_top1_agreement:.3%}")
         return found
 
     def to_json(self) -> dict:
+        figures = asdict(self)
+        del figures["overall"]
         return {
-            **asdict(self),
+            **figures,
+            "predicted_tokens": self.predicted_tokens,
+            "top1_agreement": self.top1_agreement,
             "relative_perplexity_diff": self.relative_perplexity_diff,
             "passed": not self.failures,
             "failures": self.failures,
@@ -398,20 +413,18 @@ def evaluate(
         raise ValueError(f"eager scored windows of {eager.context} tokens; this artifact takes {context}")
     elif generator is not None:
         progress.plan(len(eager.windows), "windows scored")
-    evaluation = Evaluation(
-        model=str(model), text=eager.text, window_tokens=context, windows=len(eager.windows),
-        predicted_tokens=int(eager.scores.nll.size), thresholds=thresholds or Thresholds(),
-        eager=SystemResult.of("eager PyTorch", eager.scores, eager.seconds),
-    )  # fmt: skip
-    artifact_scores = None
+    artifact_result = artifact_scores = None
     if generator is not None:
-        evaluation.artifact, artifact_scores = _score_artifact(generator, str(artifact), eager, vocab_size, progress)
-        evaluation.top1_agreement = float((artifact_scores.top1 == eager.scores.top1).mean())
+        artifact_result, artifact_scores = _score_artifact(generator, str(artifact), eager, vocab_size, progress)
     scored = (eager.scores, artifact_scores)
-    evaluation.bands = [Band.of(first, last, *scored) for first, last in eager.bands]
     longest = max(map(len, eager.windows))
-    evaluation.curve = [Band.of(first, last, *scored) for first, last in position_bins(longest)]
-    return evaluation
+    return Evaluation(
+        model=str(model), text=eager.text, window_tokens=context, windows=len(eager.windows),
+        eager=SystemResult.of("eager PyTorch", eager.scores, eager.seconds), overall=Band.whole(*scored),
+        artifact=artifact_result, thresholds=thresholds or Thresholds(),
+        bands=[Band.of(first, last, *scored) for first, last in eager.bands],
+        curve=[Band.of(first, last, *scored) for first, last in position_bins(longest)],
+    )  # fmt: skip
 
 
 def _check_windows(context: int, bands: list[tuple[int, int]] | None) -> None:

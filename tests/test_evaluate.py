@@ -173,9 +173,9 @@ def test_default_bands_are_log_spaced_and_cover_the_window():
 def judged(eager: float, artifact: float, bands: list[tuple[float, float]]) -> Evaluation:
     """An evaluation with these perplexities, overall and per band, and nothing else to fail on."""
     return Evaluation(
-        model="m", text={}, window_tokens=4096, windows=1, predicted_tokens=4095,
+        model="m", text={}, window_tokens=4096, windows=1, overall=Band(1, 4095, 4095, eager, artifact, 1.0),
         eager=SystemResult("eager", eager, math.log(eager), 0.5, 1.0),
-        artifact=SystemResult("artifact", artifact, math.log(artifact), 0.5, 1.0), top1_agreement=1.0,
+        artifact=SystemResult("artifact", artifact, math.log(artifact), 0.5, 1.0),
         bands=[Band(i * 512, i * 512 + 511, 511, e, a, 1.0) for i, (e, a) in enumerate(bands)],
     )  # fmt: skip
 
