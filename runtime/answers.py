@@ -267,9 +267,12 @@ class Choice:
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """Deltas of text as tokens arrive, the last with its finish_reason; raises ApiError if the request fails.
-        Where log-probabilities are asked for, every token has a delta of its own, as in vLLM (its text may come
-        in a later one: a token may complete no character, or be held back while it could begin a stop string)."""
-        metrics, scored = self.state.metrics, []
+        Tokens that arrived together (a step that accepted drafts, or steps the event loop fell behind) make one
+        delta, as vLLM sends what each step made: a chunk costs the loop and the client more than a token costs
+        the engine. Where log-probabilities are asked for, every token has a delta of its own, as in vLLM (its text
+        may come in a later one: a token may complete no character, or be held back while it could begin a stop
+        string)."""
+        metrics, scored, text = self.state.metrics, [], ""
         while True:
             decoded = await self.events.get()
             event, now = decoded.event, time.perf_counter()
@@ -284,17 +287,20 @@ class Choice:
                     metrics.time_per_token.observe(now - self.last_token_at)
                 self.last_token_at = now
                 scored += [event.logprob] if event.logprob else []
+                text += decoded.text
                 if decoded.stopped:
                     self.handle.cancel()
-                    yield Delta(decoded.text, scored, "stop")
+                    yield Delta(text, scored, "stop")
                     return
-                if decoded.text or scored:
-                    yield Delta(decoded.text, scored)
-                    scored = []
+                if scored or (text and self.events.empty()):
+                    yield Delta(text, scored)
+                    scored, text = [], ""
             elif isinstance(event, Finished):
-                yield Delta(decoded.text, scored, "stop" if decoded.stopped else event.reason)
+                yield Delta(text + decoded.text, scored, "stop" if decoded.stopped else event.reason)
                 return
             elif isinstance(event, Failed):
+                if text:
+                    yield Delta(text, scored)
                 raise ApiError(503, event.message, "server_error")
 
     def cancel(self) -> None:

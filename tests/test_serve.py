@@ -9,15 +9,18 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
 import uvicorn
 
+from runtime.answers import ApiError, Choice, Decoded, ServerState
 from runtime.artifact import SessionOptions
-from runtime.engine import Engine
+from runtime.engine import Engine, Failed, Finished, Token
 from runtime.generator import GenerationConfig, Generator
+from runtime.logprobs import TokenLogprob
 from runtime.sampling import SamplingConfig
 from runtime.server import create_app
 
@@ -149,6 +152,38 @@ def test_a_stream_is_the_same_text_in_pieces_then_usage_and_done(server, generat
     with httpx.stream("POST", f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 3, "stream": True}) as raw:
         lines = [line for line in raw.iter_lines() if line.startswith("data:")]
     assert lines[-1] == "data: [DONE]"
+
+
+def test_tokens_that_arrive_together_make_one_delta_unless_log_probabilities_are_asked():
+    """A step that accepted drafts, or steps the event loop fell behind on, make one chunk (as vLLM sends what a step
+    made); asked for log-probabilities, each token keeps a delta of its own. Text before a failure still goes out."""
+    state = ServerState(SimpleNamespace(generator=SimpleNamespace(tokenizer=None)), MODEL)
+
+    def token(text: str, logprobs: int | None) -> Decoded:
+        return Decoded(Token(ord(text), TokenLogprob(ord(text), -1.0) if logprobs else None), text)
+
+    async def deltas(logprobs: int | None, bursts: list[str], end: Finished | Failed) -> list[tuple]:
+        choice = Choice(0, state, time.perf_counter(), [], logprobs, False)
+        seen, stream = [], choice.deltas()
+        for burst in bursts:
+            for text in burst:
+                choice.events.put_nowait(token(text, logprobs))
+            while choice.events.qsize():  # what arrived together is read before the next burst comes
+                delta = await anext(stream)
+                seen.append((delta.text, len(delta.scored), delta.finish_reason))
+        choice.events.put_nowait(Decoded(end))
+        try:
+            seen += [(delta.text, len(delta.scored), delta.finish_reason) async for delta in stream]
+        except ApiError as error:
+            seen.append(str(error))
+        return seen
+
+    finished = Finished("length", 3, 4)
+    assert asyncio.run(deltas(None, ["abc", "d"], finished)) == [("abc", 0, None), ("d", 0, None), ("", 0, "length")]
+    assert asyncio.run(deltas(1, ["abc", "d"], finished)) == [
+        ("a", 1, None), ("b", 1, None), ("c", 1, None), ("d", 1, None), ("", 0, "length"),
+    ]  # fmt: skip
+    assert asyncio.run(deltas(None, ["ab"], Failed("the engine stopped"))) == [("ab", 0, None), "the engine stopped"]
 
 
 @pytest.mark.parametrize("stream", [False, True])
