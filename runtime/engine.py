@@ -411,6 +411,8 @@ class Engine:
             return
         for index, tokens in fed.items():
             self._take(index, logits[index], tokens, width)
+        if width > 1:
+            self.cache.trim()
 
     @staticmethod
     def _drafts(row: _Row, room: int) -> list[int]:

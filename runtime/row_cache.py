@@ -18,7 +18,8 @@ keep different counts of them: the slots a row does not keep become holes, maske
 which leaves the row exact (a hole is no position for RoPE, and adds nothing to the gate sums across it), until
 the rows are moved to the front, holes squeezed out. A model that shifts tokens holds the state after a step's
 last token only, so a row that keeps fewer goes back to the state before the step, all its slots holes, and its
-next step feeds the kept tokens again (`keep`).
+next step feeds the kept tokens again (`keep`). The latest slots that every running row left as holes (a lone row's
+rejected drafts) go back to the clock at once (`trim`): later steps neither read them nor lose their room.
 """
 
 from __future__ import annotations
@@ -115,6 +116,17 @@ class RowCache:
             with buffers.on_host(self.buffers[past], self.dtypes[past], self.device) as state:
                 state[row] = host
         return again
+
+    def trim(self) -> None:
+        """After a step's `keep`s: take the clock back over the latest slots that every running row left as holes (a
+        lone row's rejected drafts, or the drafts no row kept), so no later step reads them nor loses their room."""
+        rows = list(self.running)
+        if not rows:
+            return
+        kept = np.flatnonzero(~self.holes[rows, : self.clock].all(axis=0))
+        end = int(kept[-1]) + 1 if len(kept) else 0
+        self.holes[rows, end : self.clock] = False
+        self.clock, self.pruned_at = end, min(self.pruned_at, end)
 
     def bind_row(self, binding: ort.IOBinding, row: int, chunk: int, chunks: int, resumed: bool = False) -> None:
         """Chunk `chunk` of `chunks` of a prompt prefilled into `row` alone, with decode steps of the other rows

@@ -185,3 +185,35 @@ def test_blocks_written_into_a_row_read_back_as_written_and_a_move_shifts_every_
             np.testing.assert_array_equal(slots[name], want, err_msg=f"row {row} {name}")
         for name, state in states.items():
             np.testing.assert_array_equal(state, unmoved[row][1][name], err_msg=f"row {row} {name}")
+
+
+@pytest.mark.parametrize("preset", ["fox-tiny", "fox-pro-tiny"])  # FoX-Pro: a row that keeps fewer holes its whole step
+def test_trim_takes_the_clock_back_over_the_latest_slots_every_running_row_left_as_holes(exported, preset):
+    """After a wide step's keeps, the clock goes back to the last slot some running row keeps (a free row's slots
+    count for nothing), and those slots are no row's holes: the next step writes them."""
+    cache = RowCache(Artifact.open(exported(preset, "static")[0].path, CPU), 3)
+    cache.clock = 10
+    for row in (0, 1):
+        cache.join(row, None)
+    cache.holes[2, :] = True  # a free row's leftovers
+
+    def step(width: int, kept: dict[int, int]) -> None:
+        cache.advance(width=width)
+        for row, count in kept.items():
+            cache.keep(row, count, width)
+        running, end = list(cache.running), cache.clock
+        while end > 0 and cache.holes[running, end - 1].all():  # the naive rule, slot by slot
+            end -= 1
+        before = cache.holes.copy()
+        cache.trim()
+        assert cache.clock == end
+        assert not cache.holes[running, end:].any() and (cache.holes[:, :end] == before[:, :end]).all()
+
+    step(4, {0: 1, 1: 3})
+    step(3, {0: 1, 1: 1})
+    step(3, {0: 3, 1: 3})  # every draft kept: nothing to take back
+    cache.leave(1)
+    step(4, {0: 2})  # a lone row's rejected drafts
+    # each step leaves the most any row kept (3, 1, 3, 2); FoX-Pro's rows go back over a step they keep part of and
+    # feed those tokens again, so only the step that kept everything stays
+    assert cache.clock == 10 + (3 if cache.shifted else 3 + 1 + 3 + 2)
