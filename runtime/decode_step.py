@@ -1,10 +1,13 @@
-"""One decode step: every row's next token in, its logits out, the cache updated where it lies.
+"""One decode step: every row's next tokens in (its latest token, and any drafts after it or tokens fed again before
+it), their logits out, the cache updated where it lies.
 
 The Generator and the engine both decode through it; the cache (DeviceCache or RowCache) binds its own
-tensors. The token ids, the cache position and the logits keep one buffer each while the batch holds (on the
-CPU, numpy arrays that onnxruntime reads and writes in place, so nothing is copied through pybind). Steps
-alternate between two bindings, as the shift states alternate between their two buffers, so that a step renews
-only the mask's binding (one column longer each step) and what the cache changed.
+tensors. The token ids, the cache positions and the logits keep one buffer each while the batch and the step's
+width hold (on the CPU, numpy arrays that onnxruntime reads and writes in place, so nothing is copied through
+pybind). Steps alternate between two bindings, as the shift states alternate between their two buffers, so that a
+step renews only the mask's binding (one column longer each step) and what the cache changed: a speculative step
+of several tokens costs the binding of one token's step (binding every tensor afresh for it cost fox-py about half
+a step).
 """
 
 from __future__ import annotations
@@ -25,11 +28,12 @@ class StepCache(Protocol):
     device: str
     feeds_back: bool  # whether `advance` needs the step's outputs
 
-    def prepare_step(self, rows: int) -> tuple[int, np.ndarray]: ...  # the slot a step writes, its attention mask
+    # how many of `width` tokens a row fit, the slot the first is written to, and the step's attention mask
+    def prepare_step(self, rows: int, width: int) -> tuple[int, int, np.ndarray]: ...
 
     def bind_step(self, binding: ort.IOBinding, following: ort.IOBinding, rows: int, fresh: bool) -> None: ...
 
-    def advance(self, outputs: list[ort.OrtValue] | None) -> None: ...
+    def advance(self, outputs: list[ort.OrtValue] | None, width: int) -> None: ...
 
 
 class DecodeStep:
@@ -39,14 +43,14 @@ class DecodeStep:
         self.bindings = (artifact.session.io_binding(), artifact.session.io_binding())  # even steps', odd steps'
         self.steps = 0
         self.inputs = (INPUT_IDS, CACHE_POSITION) if artifact.static else (INPUT_IDS,)  # dynamic: no position
-        self.io: dict[str, tuple[np.ndarray, ort.OrtValue]] = {}  # ids, position, logits: host array, bound value
+        self.io: dict[str, tuple[np.ndarray, ort.OrtValue]] = {}  # ids, positions, logits: host array, bound value
 
-    def _bind_buffers(self, batch: int) -> None:
-        """Bind the step's own buffers for `batch` rows to both bindings; later steps write into them."""
+    def _bind_buffers(self, rows: int, width: int) -> None:
+        """Bind the step's own buffers, `rows` rows of `width` tokens, to both bindings; later steps write into them."""
         arrays = {
-            INPUT_IDS: np.empty((batch, 1), dtype=np.int64),
-            CACHE_POSITION: np.empty(1, dtype=np.int64),
-            LOGITS: np.empty((batch, 1, self.artifact.vocab_size), dtype=np.float32),
+            INPUT_IDS: np.empty((rows, width), dtype=np.int64),
+            CACHE_POSITION: np.empty(width, dtype=np.int64),
+            LOGITS: np.empty((rows, width, self.artifact.vocab_size), dtype=np.float32),
         }
         for name in (*self.inputs, LOGITS):
             self.io[name] = (arrays[name], ort.OrtValue.ortvalue_from_numpy(arrays[name], self.cache.device, 0))
@@ -56,17 +60,18 @@ class DecodeStep:
                 bind(name, self.io[name][1])
 
     def __call__(self, tokens: np.ndarray) -> np.ndarray:
-        """Feed `tokens` `[rows, 1]` into rows [0, rows) of the cache, where and over what it says; returns the logits
-        `[rows, vocab]`."""
+        """Feed `tokens` `[rows, width]` into rows [0, rows) of the cache, where and over what it says; returns the
+        logits at each position fed `[rows, fed, vocab]`: all of them, or fewer where a pruned cache has room for
+        fewer (never for fewer than one)."""
         rows = len(tokens)
-        slot, mask = self.cache.prepare_step(rows)
+        width, slot, mask = self.cache.prepare_step(rows, tokens.shape[1])
         binding, following = self.bindings[self.steps % 2], self.bindings[1 - self.steps % 2]
-        fresh = not self.io or len(self.io[INPUT_IDS][0]) != rows
-        if fresh:
-            self._bind_buffers(rows)
-        self.cache.bind_step(binding, following, rows, fresh)
+        shape = self.io[INPUT_IDS][0].shape if self.io else None
+        if shape != (rows, width):
+            self._bind_buffers(rows, width)
+        self.cache.bind_step(binding, following, rows, fresh=shape is None or shape[0] != rows)
         on_host = self.cache.device == "cpu"
-        for name, value in zip(self.inputs, (tokens, slot), strict=False):
+        for name, value in zip(self.inputs, (tokens[:, :width], np.arange(slot, slot + width)), strict=False):
             host, device = self.io[name]
             host[...] = value
             if not on_host:
@@ -74,6 +79,6 @@ class DecodeStep:
         binding.bind_cpu_input(ATTENTION_MASK, mask)
         self.run(binding)
         self.steps += 1
-        self.cache.advance(binding.get_outputs() if self.cache.feeds_back else None)
+        self.cache.advance(binding.get_outputs() if self.cache.feeds_back else None, width)
         host, device = self.io[LOGITS]
-        return (host if on_host else device.numpy())[:, -1]
+        return host if on_host else device.numpy()

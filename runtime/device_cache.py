@@ -178,18 +178,13 @@ class DeviceCache:
         self.mask[row, self.run_start + self.lead + index + 1 :] = 0
         self.live[row] = False
 
-    def prepare_step(self, rows: int) -> tuple[int, np.ndarray]:
-        """Before a decode step (over every row: `rows` is the batch): the slot it writes and its attention mask,
-        pruning first where due (see `make_room`)."""
-        _, slot, window = self.prepare_tokens(1)
-        return slot, window
-
-    def prepare_tokens(self, count: int) -> tuple[int, int, np.ndarray]:
-        """Before a decode run of up to `count` tokens a row (a token and the drafts after it, see `keep`): how many
-        fit, the slot the first is written to and the run's attention mask, pruning first at the decode's cadence.
-        A run of several keeps the shift states it reads: it writes its own into other buffers (a swapped state's
-        spare, a fed-back state's new present), so those it read stay as they were, to go back to (see `keep`)."""
-        new, slot, window = self.prepare_chunk(self.mask, self.filled, count, self.live, cadence=True)
+    def prepare_step(self, rows: int, width: int = 1) -> tuple[int, int, np.ndarray]:
+        """Before a decode step of up to `width` tokens a row (over every row: `rows` is the batch; a token and the
+        drafts after it, see `keep`): how many fit, the slot the first is written to and the step's attention mask,
+        pruning first at the decode's cadence. A step of several keeps the shift states it reads: it writes its own
+        into other buffers (a swapped state's spare, a fed-back state's new present), so those it read stay as they
+        were, to go back to (see `keep`)."""
+        new, slot, window = self.prepare_chunk(self.mask, self.filled, width, self.live, cadence=True)
         self.run_start, self.filled, self.lead, self.again = self.filled, self.filled + new, self.again, 0
         self.saved_states = {name: self.past[name] for name in self.shift_names} if new > 1 else {}
         return new, slot, window
@@ -207,8 +202,8 @@ class DeviceCache:
             self.filled, self.again = self.run_start, self.lead + kept
         self._cut(end)
         for past, state in self.saved_states.items():
-            if past in self.swapped:  # the run wrote the spare, which `advance` made current: they trade back
-                self.spare[past] = self.past[past]
+            if past in self.swapped:  # the run wrote the spare, which `advance` made current: they trade back, out of
+                self.spare[past], self.stale_bindings = self.past[past], True  # the decode bindings' alternation
             self.past[past] = state
         return self.again
 
@@ -377,9 +372,9 @@ class DeviceCache:
             binding.bind_ortvalue_input(past, self.past[past])
             binding.bind_output(present, self.device)
 
-    def advance(self, outputs: list[ort.OrtValue] | None) -> None:
+    def advance(self, outputs: list[ort.OrtValue] | None, width: int = 1) -> None:
         """Make this step's presents the next step's pasts (`outputs`: logits, then one per pair, in binding
-        order; needed only when `feeds_back`)."""
+        order; needed only when `feeds_back`; `prepare_step` counted the `width` tokens filled)."""
         for index, past, _ in self.fed_back:
             self.past[past] = outputs[1 + index]
         for past in self.swapped:

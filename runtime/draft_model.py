@@ -65,10 +65,10 @@ class Drafting:
     def __init__(self, generator: Generator, prompt: list[int], config: GenerationConfig):
         self.generator, self.artifact = generator, generator.artifact
         self.cache = DeviceCache(self.artifact, 1)
-        self.run, self.binding = SessionClock(self.artifact.session), self.artifact.session.io_binding()
+        self.run = SessionClock(self.artifact.session)
         ids, mask = left_padded([prompt], generator.pad, config.max_new_tokens)
         generator.begin(self.cache, ids.shape[1], config.max_new_tokens)
-        generator.prefill(self.binding, self.cache, ids, mask, config.prefill_chunk, self.run)
+        generator.prefill(self.artifact.session.io_binding(), self.cache, ids, mask, config.prefill_chunk, self.run)
         self.step = DecodeStep(self.artifact, self.cache, self.run)
         self.text, self.fed = list(prompt), len(prompt)  # the tokens chosen so far, and those the cache holds
         sampling = config.sampling
@@ -86,7 +86,7 @@ class Drafting:
         """Up to `most` guesses after the text; none when a pruned cache could not take the tokens chosen since the
         last round (the next round feeds the rest)."""
         chosen = np.array([self.text[self.fed :]], dtype=np.int64)
-        logits = self.generator.decode_run(self.binding, self.cache, chosen, self.run)
+        logits = self.step(chosen)
         self.fed += logits.shape[1]
         self.distributions = []
         if self.fed < len(self.text):
@@ -95,7 +95,7 @@ class Drafting:
         if most > 1:  # guesses fed to the cache, which goes back after them
             self.cache.hold()
             while len(guesses) < most:
-                guesses.append(self._guess(self.step(np.array([[guesses[-1]]], dtype=np.int64))))
+                guesses.append(self._guess(self.step(np.array([[guesses[-1]]], dtype=np.int64))[:, -1]))
             self.cache.rewind()
         return guesses
 

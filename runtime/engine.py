@@ -162,7 +162,6 @@ class Engine:
         self.decode_one_token = DecodeStep(
             generator.artifact, self.cache, generator.artifact.session.run_with_iobinding
         )
-        self._wide_binding = generator.artifact.session.io_binding()  # a step of a token and drafts a row
         self.drafts_proposed = self.drafts_accepted = 0  # by the requests that ended, for /metrics
         self.waiting: deque[Request] = deque()
         self._wake = threading.Condition()
@@ -405,7 +404,7 @@ class Engine:
         for index, tokens in fed.items():
             ids[index, : len(tokens)] = tokens
         try:
-            logits = self.decode_one_token(ids)[:, None] if width == 1 else self._run_wide(ids)
+            logits = self.decode_one_token(ids)
         except Exception as error:  # nothing of this step is usable: its requests fail, later ones go on
             self._fail_running(f"decode step failed: {error}")
             return
@@ -418,16 +417,6 @@ class Engine:
     def _drafts(row: _Row, room: int) -> list[int]:
         """Up to `room` drafts for the row to verify (none while a prompt is prefilled: see `_step`)."""
         return row.search.drafts(room)[0].tolist() if row.request.config.speculative is not None and room > 0 else []
-
-    def _run_wide(self, ids: np.ndarray) -> np.ndarray:
-        """A step of several tokens a row `[rows, width]`; every position's logits `[rows, width, vocab]`."""
-        binding, artifact = self._wide_binding, self.generator.artifact
-        slot, mask = self.cache.prepare_step(*ids.shape)
-        bind_chunk(binding, artifact, ids, mask, slot, self.cache.device, last_only=False)
-        self.cache.bind(binding, len(ids))
-        artifact.session.run_with_iobinding(binding)
-        self.cache.advance(None, ids.shape[1])
-        return binding.get_outputs()[0].numpy()
 
     def _take(self, index: int, logits: np.ndarray, fed: list[int], width: int) -> None:
         """A running row's tokens from a step that fed it `fed` (its pending tokens, then drafts) with its logits at

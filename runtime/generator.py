@@ -220,8 +220,8 @@ class Generator:
         start = time.perf_counter()
         ids, mask = left_padded(prompts, self.pad, config.max_new_tokens)
         self.begin(cache, ids.shape[1], config.max_new_tokens)
-        run, binding = SessionClock(self.artifact.session), self.artifact.session.io_binding()
-        logits = self.prefill(binding, cache, ids, mask, config.prefill_chunk, run)
+        run = SessionClock(self.artifact.session)
+        logits = self.prefill(self.artifact.session.io_binding(), cache, ids, mask, config.prefill_chunk, run)
         prefill_s, first_token_s, step_logits = run.seconds, None, []
         search = Search(config, prompts, self.eos, self.pad, self.grammar(config.constraint))
         texts = [TextStream(self.tokenizer) for _ in prompts] if text_events and self.tokenizer else None
@@ -243,12 +243,9 @@ class Generator:
             lead = cache.keep(index + 1)  # where the model shifts tokens, the next run feeds those kept again
             if search.done:
                 break
-            drafts = search.drafts()
-            if lead or drafts.size:  # one run: the tokens fed again, the latest chosen and the drafts after it
-                fed = np.concatenate([fed[:, :lead], chosen[:, None], drafts], axis=1)
-                outputs = self.decode_run(binding, cache, fed, run)[:, lead:]
-            else:
-                fed, outputs = chosen[:, None], decode_one_token(chosen[:, None])[:, None]
+            # one step: the tokens fed again, the latest chosen and the drafts after it
+            fed = np.concatenate([fed[:, :lead], chosen[:, None], search.drafts()], axis=1)
+            outputs = decode_one_token(fed)[:, lead:]
         return self._result(search, cache, run, time.perf_counter() - start, first_token_s, prefill_s, step_logits)
 
     def _result(
@@ -332,15 +329,6 @@ class Generator:
         new, slot, window = cache.prepare_chunk(mask, filled, new, slice(None) if row_chunk is None else None)
         logits = self._run_chunk(binding, cache, ids[:, filled : filled + new], slot, window, run, last_only, row_chunk)
         return logits, filled + new
-
-    def decode_run(
-        self, binding: ort.IOBinding, cache: DeviceCache, tokens: np.ndarray, run: Callable[[ort.IOBinding], None]
-    ) -> np.ndarray:  # fmt: skip
-        """Feed `tokens` `[batch, n]` after those decoded, in one run (tokens kept and fed again, a token and the drafts
-        after it); the logits at each position fed `[batch, new, vocab]`, fewer than n where a pruned cache has room
-        for fewer (never for fewer than the tokens fed again and one: they had room before)."""
-        new, slot, window = cache.prepare_tokens(tokens.shape[1])
-        return self._run_chunk(binding, cache, tokens[:, :new], slot, window, run).numpy()
 
     def _run_chunk(
         self, binding: ort.IOBinding, cache: DeviceCache, ids: np.ndarray, slot: int, window: np.ndarray,

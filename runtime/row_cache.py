@@ -51,7 +51,6 @@ class RowCache:
         self.clock = 0  # the slot the next decode step writes, in every row
         self.pruned_at = 0  # the clock when the running rows were last pruned
         self.holes = np.zeros((rows, self.length), dtype=bool)  # slots a running row does not keep (see `keep`)
-        self.stale = False  # a step of several tokens traded the shift states' buffers: bind the steps again
         self.running: dict[int, np.ndarray | None] = {}  # decoding rows: pruning's thresholds (None: keep every key)
         self.begins = np.zeros(rows, dtype=np.int64)  # a row's first kept slot (placed: its prompt's first)
         self.dropped = np.zeros(rows, dtype=np.int64)  # a running row's oldest positions that pruning dropped
@@ -75,10 +74,9 @@ class RowCache:
         read from one buffer and written to the other, the two bindings reading them from opposite ones. A row
         that leaves the steps is free: its shift state is not kept (a request that joins brings its own, see
         `bind_row`)."""
-        if fresh or self.stale:
+        if fresh:
             self.bind(binding, rows)
             self.bind(following, rows, ahead=True)
-            self.stale = False
 
     def bind(self, binding: ort.IOBinding, rows: int, ahead: bool = False) -> None:
         """Rows [0, rows) of every tensor, for the next run (`ahead`: the run after it, the shift states' buffers
@@ -92,10 +90,8 @@ class RowCache:
             self._bind(binding.bind_output, present, past, written, 0, rows)
 
     def advance(self, outputs: list[ort.OrtValue] | None = None, width: int = 1) -> None:
-        """After a decode step of `width` tokens a row: the clock moves on, and the spares hold the shift states now
-        (a step of several, bound by `bind`, leaves the decode steps' own bindings stale)."""
+        """After a decode step of `width` tokens a row: the clock moves on, and the spares hold the shift states now."""
         self.clock += width
-        self.stale |= width > 1
         for past, _ in self.shifted:
             self.buffers[past], self.spare[past] = self.spare[past], self.buffers[past]
 
@@ -265,11 +261,12 @@ class RowCache:
         """The tokens a row the next step may write (after `before_step`)."""
         return self.length - self.clock
 
-    def prepare_step(self, rows: int, width: int = 1) -> tuple[int, np.ndarray]:
-        """Before a decode step of `width` tokens a row over rows [0, rows) (after `before_step`): the slot its first
-        writes, the clock, and its attention mask `[rows, clock + width]`. A running row attends its slots from its
-        first kept one but its holes, and that first kept slot also counts the positions dropped before it (so that
-        RoPE positions count them, as DeviceCache.window_mask does); any other row attends its own slots alone."""
+    def prepare_step(self, rows: int, width: int = 1) -> tuple[int, int, np.ndarray]:
+        """Before a decode step of `width` tokens a row over rows [0, rows) (after `before_step`, which made room for
+        them all): `width`, the slot its first writes (the clock), and its attention mask `[rows, clock + width]`. A
+        running row attends its slots from its first kept one but its holes, and that first kept slot also counts the
+        positions dropped before it (so that RoPE positions count them, as DeviceCache.window_mask does); any other
+        row attends its own slots alone."""
         begins = np.full(rows, self.clock, dtype=np.int64)
         dropped = np.zeros(rows, dtype=np.int64)
         running = [row for row in self.running if row < rows]
@@ -278,7 +275,7 @@ class RowCache:
         attended[:, : self.clock] &= ~self.holes[:rows, : self.clock]
         mask = attended.astype(np.int64)
         mask[np.arange(rows), attended.argmax(axis=1)] += dropped  # each row's first attended slot
-        return self.clock, mask
+        return width, self.clock, mask
 
     def _prune(self) -> dict[int, np.ndarray]:
         """Drop each pruned row's oldest slots that every head of every layer allows (they fall out of its mask,

@@ -62,7 +62,7 @@ def test_a_row_cache_step_over_rows_that_come_and_go_equals_session_run(artifact
         ids = rng.integers(0, artifact.vocab_size, (rows, 1))
         mask = np.ones((rows, clock + 1), dtype=np.int64)
         want = reference_step(artifact, pasts, ids, mask, clock)
-        np.testing.assert_array_equal(step(ids), want)
+        np.testing.assert_array_equal(step(ids)[:, -1], want)
     for row in range(max(ROWS)):  # what the steps left in each row: the slots, and a running row's shift states
         slots, states = cache.read_block(row, 0, cache.length, 0, 1)
         for name, host in {**slots, **(states if row < ROWS[-1] else {})}.items():
@@ -80,7 +80,7 @@ def test_a_device_cache_step_over_a_growing_batch_equals_session_run(artifacts):
     for filled in range(len(ROWS)):
         ids = rng.integers(0, artifact.vocab_size, (batch, 1))
         want = reference_step(artifact, pasts, ids, mask[:, : filled + 1], filled)
-        np.testing.assert_array_equal(step(ids), want)
+        np.testing.assert_array_equal(step(ids)[:, -1], want)
     for name, reference in pasts.items():
         kept = to_host(cache.past[name], cache.dtypes[name])
         kept = kept[:, :, : reference.shape[2]] if name in cache.in_place else kept  # the buffers' filled slots
