@@ -66,7 +66,7 @@ constexpr const char* kDomain = "kvg.fox";
 constexpr int64_t kQueryBlock = 64;    // queries that share one transposed block of keys
 constexpr int64_t kKeyBlock = 128;     // keys scored at once
 constexpr int kTileRows = 4;          // queries a register tile holds
-constexpr int64_t kRowQueries = 4;     // queries up to which each reads its keys alone (a decode step, a few drafts)
+constexpr int64_t kRowQueries = 9;     // queries up to which they read the keys row by row (a decode step, drafts)
 constexpr int64_t kSplitKeys = 2048;   // a decode step's window is split into parts of about this many keys
 constexpr int64_t kMaxSplits = 32;
 constexpr int64_t kSplitQueries = 4;   // steps of at most this many queries a row split their windows
@@ -253,65 +253,77 @@ void tile_product(const float* a, const float* b, int64_t rows, int64_t inner, i
     }
 }
 
-// One query's scores against `count` keys, 8 keys at a time: a dot product's additions form a chain, and eight
-// independent chains (read key after key, as the keys lie in memory) keep the multiply-add units busy where one
-// would wait on each. kDim, where not 0, is the head dim known when compiled: each key's products then unroll, and
-// the processor overlaps the eight chains.
+// Scores of `queries` queries (a token and its drafts) against `count` keys, 8 keys at a time: a dot product's
+// additions form a chain, and eight independent chains (read key after key, as the keys lie in memory) keep the
+// multiply-add units busy where one would wait on each. Each group of 8 keys is read for every query while it is in
+// L1, so a few queries cost little more than one. kDim, where not 0, is the head dim known when compiled: each
+// key's products then unroll, and the processor overlaps the eight chains. Rows of `out` are kKeyBlock apart.
 template <int64_t kDim>
-void score_keys(const float* query, const float* keys, int64_t count, int64_t runtime_dim, float* out) {
+void score_keys(const float* query, int64_t queries, const float* keys, int64_t count, int64_t runtime_dim,
+                float* out) {
   const int64_t dim = kDim != 0 ? kDim : runtime_dim, body = dim / 8 * 8;
   int64_t j = 0;
   for (; j + 8 <= count; j += 8) {
-    float acc[8][8] = {};
-    for (int r = 0; r < 8; ++r) {
-      const float* k = keys + (j + r) * dim;
-      for (int64_t d0 = 0; d0 < body; d0 += 8)
+    for (int64_t i = 0; i < queries; ++i) {
+      const float* q = query + i * dim;
+      float acc[8][8] = {};
+      for (int r = 0; r < 8; ++r) {
+        const float* k = keys + (j + r) * dim;
+        for (int64_t d0 = 0; d0 < body; d0 += 8)
 #pragma omp simd
-        for (int c = 0; c < 8; ++c) acc[r][c] += query[d0 + c] * k[d0 + c];
+          for (int c = 0; c < 8; ++c) acc[r][c] += q[d0 + c] * k[d0 + c];
+      }
+      for (int r = 0; r < 8; ++r) {
+        float dot = 0.0f;
+        for (int c = 0; c < 8; ++c) dot += acc[r][c];
+        for (int64_t d = body; d < dim; ++d) dot += q[d] * keys[(j + r) * dim + d];
+        out[i * kKeyBlock + j + r] = dot;
+      }
     }
-    for (int r = 0; r < 8; ++r) {
+  }
+  for (; j < count; ++j)
+    for (int64_t i = 0; i < queries; ++i) {
       float dot = 0.0f;
-      for (int c = 0; c < 8; ++c) dot += acc[r][c];
-      for (int64_t d = body; d < dim; ++d) dot += query[d] * keys[(j + r) * dim + d];
-      out[j + r] = dot;
-    }
-  }
-  for (; j < count; ++j) {
-    float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-    for (int64_t d = 0; d < dim; ++d) dot += query[d] * keys[j * dim + d];
-    out[j] = dot;
-  }
-}
-
-void score_row(const float* query, const float* keys, int64_t count, int64_t dim, float* out) {
-  if (dim == 64) return score_keys<64>(query, keys, count, dim, out);
-  if (dim == 128) return score_keys<128>(query, keys, count, dim, out);
-  score_keys<0>(query, keys, count, dim, out);
-}
-
-// acc[d] += sum_j weights[j] values[j, d] for channels [d0, dim) in runs of kWidth held in registers across the keys;
-// returns where the runs stopped
-template <int64_t kWidth>
-int64_t add_weighted(const float* weights, const float* values, int64_t count, int64_t dim, int64_t d0, float* acc) {
-  for (; d0 + kWidth <= dim; d0 += kWidth) {
-    float sum[kWidth] = {};
-    for (int64_t j = 0; j < count; ++j) {
-      const float w = weights[j];
-      const float* v = values + j * dim + d0;
-#pragma omp simd
-      for (int64_t c = 0; c < kWidth; ++c) sum[c] += w * v[c];
+      for (int64_t d = 0; d < dim; ++d) dot += query[i * dim + d] * keys[j * dim + d];
+      out[i * kKeyBlock + j] = dot;
     }
-    for (int64_t c = 0; c < kWidth; ++c) acc[d0 + c] += sum[c];
+}
+
+void score_rows(const float* queries, int64_t count, const float* keys, int64_t keys_count, int64_t dim, float* out) {
+  if (dim == 64) return score_keys<64>(queries, count, keys, keys_count, dim, out);
+  if (dim == 128) return score_keys<128>(queries, count, keys, keys_count, dim, out);
+  score_keys<0>(queries, count, keys, keys_count, dim, out);
+}
+
+// acc[i, d] += sum_j weights[i, j] values[j, d] for channels [d0, dim) in runs of kWidth held in registers across
+// the keys, each value row's run read once for all `queries` (up to kQueries); returns where the runs stopped.
+// Rows of `weights` are kKeyBlock apart, of `acc` dim apart.
+template <int64_t kQueries, int64_t kWidth>
+int64_t add_weighted(const float* weights, int64_t queries, const float* values, int64_t count, int64_t dim,
+                     int64_t d0, float* acc) {
+  for (; d0 + kWidth <= dim; d0 += kWidth) {
+    float sum[kQueries][kWidth] = {};
+    for (int64_t j = 0; j < count; ++j) {
+      const float* v = values + j * dim + d0;
+      for (int64_t i = 0; i < queries; ++i) {
+        const float w = weights[i * kKeyBlock + j];
+#pragma omp simd
+        for (int64_t c = 0; c < kWidth; ++c) sum[i][c] += w * v[c];
+      }
+    }
+    for (int64_t i = 0; i < queries; ++i)
+      for (int64_t c = 0; c < kWidth; ++c) acc[i * dim + d0 + c] += sum[i][c];
   }
   return d0;
 }
 
-// One query's weighted values over `count` keys into acc
-void value_row(const float* weights, const float* values, int64_t count, int64_t dim, float* acc) {
-  int64_t d = add_weighted<64>(weights, values, count, dim, 0, acc);
-  d = add_weighted<8>(weights, values, count, dim, d, acc);
-  add_weighted<1>(weights, values, count, dim, d, acc);
+// The queries' weighted values over `count` keys into acc: one query's 64 channels stay in registers across the keys;
+// several queries take 8 channels at a time, all their sums in registers
+void value_rows(const float* weights, int64_t queries, const float* values, int64_t count, int64_t dim, float* acc) {
+  int64_t d = queries == 1 ? add_weighted<1, 64>(weights, 1, values, count, dim, 0, acc) : 0;
+  d = add_weighted<kRowQueries, 8>(weights, queries, values, count, dim, d, acc);
+  add_weighted<kRowQueries, 1>(weights, queries, values, count, dim, d, acc);
 }
 
 // A task's working memory, kept by each thread between runs: a decode step allocates nothing
@@ -391,8 +403,7 @@ void attend(Problem& p, int64_t task) {
         for (int64_t d = 0; d < dim; ++d) transposed[d * kKeyBlock + j] = j < width ? block_keys[j * dim + d] : 0.0f;
       tile_product<false, 0, kKeyBlock, kKeyBlock>(queries, transposed, rows, dim, padded, scores, dim);
     } else {
-      for (int64_t i = 0; i < count; ++i)
-        score_row(queries + i * dim, block_keys, seen_by[i], dim, scores + i * kKeyBlock);
+      score_rows(queries, count, block_keys, *std::max_element(seen_by, seen_by + count), dim, scores);
     }
     // The block's gate sums from its first slot, each rounded once from double: a query's decay to key j is then
     // its own sum less key j's, both small where the weights are not
@@ -436,8 +447,7 @@ void attend(Problem& p, int64_t task) {
     }
     if (!weighed) continue;
     if (!tiled) {
-      for (int64_t i = 0; i < count; ++i)
-        value_row(scores + i * kKeyBlock, block_values, seen_by[i], dim, acc + i * dim);
+      value_rows(scores, count, block_values, *std::max_element(seen_by, seen_by + count), dim, acc);
     } else if (dim % 16 == 0) {
       tile_product<true, kKeyBlock, 0, 0>(scores, block_values, rows, width, dim, acc, dim);
     } else {
