@@ -71,9 +71,9 @@ class DecodeStep:
             self._bind_buffers(rows, width)
         self.cache.bind_step(binding, following, rows, fresh=shape is None or shape[0] != rows)
         on_host = self.cache.device == "cpu"
-        for name, value in zip(self.inputs, (tokens[:, :width], np.arange(slot, slot + width)), strict=False):
+        for name in self.inputs:
             host, device = self.io[name]
-            host[...] = value
+            host[...] = tokens[:, :width] if name == INPUT_IDS else np.arange(slot, slot + width)
             if not on_host:
                 device.update_inplace(host)
         binding.bind_cpu_input(ATTENTION_MASK, mask)

@@ -243,8 +243,8 @@ class Generator:
             lead = cache.keep(index + 1)  # where the model shifts tokens, the next run feeds those kept again
             if search.done:
                 break
-            # one step: the tokens fed again, the latest chosen and the drafts after it
-            fed = np.concatenate([fed[:, :lead], chosen[:, None], search.drafts()], axis=1)
+            drafts, latest = search.drafts(), chosen[:, None]  # one step: the tokens fed again, the latest, its drafts
+            fed = np.concatenate([fed[:, :lead], latest, drafts], axis=1) if lead or drafts.size else latest
             outputs = decode_one_token(fed)[:, lead:]
         return self._result(search, cache, run, time.perf_counter() - start, first_token_s, prefill_s, step_logits)
 
