@@ -54,6 +54,7 @@ class DecodeStep:
         }
         for name in (*self.inputs, LOGITS):
             self.io[name] = (arrays[name], ort.OrtValue.ortvalue_from_numpy(arrays[name], self.cache.device, 0))
+        self.ahead = np.arange(width, dtype=np.int64)  # each token's position past the step's first slot
         for binding in self.bindings:
             for name in (*self.inputs, LOGITS):
                 bind = binding.bind_ortvalue_output if name == LOGITS else binding.bind_ortvalue_input
@@ -71,10 +72,12 @@ class DecodeStep:
             self._bind_buffers(rows, width)
         self.cache.bind_step(binding, following, rows, fresh=shape is None or shape[0] != rows)
         on_host = self.cache.device == "cpu"
-        for name in self.inputs:
-            host, device = self.io[name]
-            host[...] = tokens[:, :width] if name == INPUT_IDS else np.arange(slot, slot + width)
-            if not on_host:
+        self.io[INPUT_IDS][0][...] = tokens[:, :width]
+        if self.artifact.static:
+            np.add(self.ahead, slot, out=self.io[CACHE_POSITION][0])  # written in place: no array a step
+        if not on_host:
+            for name in self.inputs:
+                host, device = self.io[name]
                 device.update_inplace(host)
         binding.bind_cpu_input(ATTENTION_MASK, mask)
         self.run(binding)
