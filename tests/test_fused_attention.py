@@ -170,6 +170,7 @@ CASES = {
     "a token and eight drafts, head_dim 64": (2, 9, 2, 2, 64, 300, 309, [0, 5], [(302, 303), 0]),
     "a token and five drafts, gqa": (1, 6, 4, 2, 16, 500, 506, [0, 0], [0]),
     "a token and four drafts, head_dim 12": (1, 5, 2, 1, 12, 140, 145, [0], [3]),
+    "a token and six drafts, head_dim 24": (2, 7, 2, 2, 24, 250, 257, [0, 4], [0, (252, 253)]),
     "decode, head_dim 128, gqa (compiled for it)": (1, 1, 4, 2, 128, 150, 150, [0, 0], [0]),
     # most keys' weights round to 0 under the faster-decaying heads' gates: blocks the kernel skips
     "chunk over a window its gates forgot": (2, 70, 4, 2, 16, 1500, 1570, [0, 0], [0, 200]),
