@@ -57,7 +57,7 @@ def check_cache(folder: Path, batch: int = 2) -> CacheCheck:
                                 dtype=HOST_TYPES[entry["dtype"]])
         for entry in manifest["inputs"] if entry["name"].startswith(io.PAST_PREFIX)
     }  # fmt: skip
-    presents = [entry for entry in manifest["outputs"] if entry["name"] != io.LOGITS]
+    presents = [entry for entry in manifest["outputs"] if entry["name"] != io.LOGITS]  # and any shift states
     filled = 0
     for step, want in enumerate(result.step_logits):
         feeds = {io.INPUT_IDS: ids, io.ATTENTION_MASK: mask, **pasts}
@@ -67,7 +67,7 @@ def check_cache(folder: Path, batch: int = 2) -> CacheCheck:
         for entry, value in zip(presents, outputs, strict=True):
             # At the default window offsets a pruned graph folds no heads into rows
             rows = {io.ROWS_AXIS: batch, io.ROW_HEADS_AXIS: manifest["model"]["num_kv_heads"]}
-            sizes = {io.BATCH_AXIS: batch, io.TOTAL_AXIS: filled + ids.shape[1], **rows}
+            sizes = {io.BATCH_AXIS: batch, io.SEQ_AXIS: ids.shape[1], io.TOTAL_AXIS: filled + ids.shape[1], **rows}
             shape = tuple(sizes.get(a, a) for a in entry["axes"])
             if value.shape != shape or value.dtype != HOST_TYPES[entry["dtype"]]:
                 check.failure = (
@@ -85,8 +85,8 @@ def check_cache(folder: Path, batch: int = 2) -> CacheCheck:
             )
             return check
         filled += ids.shape[1]
-        pasts = {io.past_of(name): value
-                 for name, value in zip((e["name"] for e in presents), outputs, strict=True)}  # fmt: skip
+        pasts = {io.past_of(name): value for name, value in zip((e["name"] for e in presents), outputs, strict=True)
+                 if name.startswith(io.PRESENT_PREFIX)}  # fmt: skip
         ids = np.array([[row[step]] for row in result.tokens], dtype=np.int64)  # no row stops early
         mask = np.concatenate([mask, np.ones((batch, 1), dtype=np.int64)], axis=1)
     return check

@@ -167,7 +167,7 @@ def validate_onnx(references: References, session, progress: Progress | None = N
             offsets = {} if step.offsets is None else {WINDOW_OFFSETS: step.offsets}
             outputs = {
                 system: session.run(
-                    None,
+                    layout.output_names(),
                     dict(zip(layout.input_names(), step.feed + past, strict=True))
                     | (keep_last if system == "onnx-last" else {})
                     | offsets,

@@ -14,7 +14,15 @@ from pathlib import Path
 import onnxruntime as ort
 
 from runtime import custom_ops
-from runtime.contract import FORMAT_VERSION, LOGITS_TO_KEEP, MANIFEST_NAME, PAST_PREFIX, PRESENT_PREFIX, ROWS_AXIS
+from runtime.contract import (
+    FORMAT_VERSION,
+    LOGITS_TO_KEEP,
+    MANIFEST_NAME,
+    PAST_PREFIX,
+    PRESENT_PREFIX,
+    ROWS_AXIS,
+    SHIFT_STATES_TEMPLATE,
+)
 
 ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int64)": "int64",
              "tensor(bfloat16)": "bfloat16"}  # fmt: skip
@@ -232,6 +240,14 @@ class Artifact:
 
     def present_names(self) -> list[str]:
         return [e["name"] for e in self.manifest["outputs"] if e["name"].startswith(PRESENT_PREFIX)]
+
+    def shift_states(self) -> dict[str, str]:
+        """Each shift state's past input -> the output of its value after each token of a run, where the graph gives
+        them (a fused FoX-Pro graph, exporters/passes/shift_states.py); else empty."""
+        outputs = {e["name"] for e in self.manifest["outputs"]}
+        named = {past: SHIFT_STATES_TEMPLATE.format(layer=layer, field=field)
+                 for past in self.past_names() for _, layer, field in [past.rsplit(".", 2)]}  # fmt: skip
+        return {past: name for past, name in named.items() if name in outputs}
 
     def gate_names(self) -> list[str]:
         """Each layer's gate input, layer by layer: what forget-gate pruning reads."""

@@ -23,6 +23,10 @@ PAST_PREFIX, PRESENT_PREFIX = "past_key_values.", "present."
 PAST_TEMPLATE = PAST_PREFIX + "{layer}.{field}"
 PRESENT_TEMPLATE = PRESENT_PREFIX + "{layer}.{field}"
 CACHE_FIELDS = ("key", "value", "gate", "key_shift", "value_shift")  # in the order of kvg_export's TENSOR_FIELDS
+# A fused FoX-Pro graph's outputs besides the contract's: each new token's shift state `[batch, seq, width]`, so that
+# a speculative run that keeps its first tokens only keeps the state after the last of them
+# (exporters/passes/shift_states.py)
+SHIFT_STATES_TEMPLATE = "shift_states.{layer}.{field}"
 
 # Axis names the manifest gives sizes that vary
 BATCH_AXIS, SEQ_AXIS = "batch", "seq"
@@ -38,7 +42,7 @@ DEFAULT_OPSET = 20
 DYNAMIC_MAX_POSITIONS = 1 << 16  # the most positions a dynamic graph is traced for
 
 # The fused FoX attention operator (exporters/native/): its node's domain, type and version
-OP_DOMAIN, OP_NAME, OP_VERSION = "kvg.fox", "FoxAttention", 2
+OP_DOMAIN, OP_NAME, OP_VERSION = "kvg.fox", "FoxAttention", 3
 
 
 def past_of(present: str) -> str:
@@ -73,6 +77,11 @@ class CacheLayout:
 
     def output_names(self) -> list[str]:
         return [LOGITS, *self.present_names()]
+
+    def shift_state_names(self) -> list[str]:
+        """The shift-state outputs a fused graph adds (SHIFT_STATES_TEMPLATE), in the graph's order."""
+        return [SHIFT_STATES_TEMPLATE.format(layer=i, field=f)
+                for i in range(self.num_layers) for f in self.fields if f.endswith("shift")]  # fmt: skip
 
 
 def cache_shape(config, field: str, batch: int, length: int) -> tuple[int, ...]:

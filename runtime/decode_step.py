@@ -33,7 +33,11 @@ class StepCache(Protocol):
 
     def bind_step(self, binding: ort.IOBinding, following: ort.IOBinding, rows: int, fresh: bool) -> None: ...
 
-    def advance(self, outputs: list[ort.OrtValue] | None, width: int) -> None: ...
+    # after the step: `outputs` where `feeds_back`; `states`, each shift state's value after each of the step's
+    # tokens `[rows, width, state]` where the artifact gives them (the state to keep when a row keeps fewer tokens)
+    def advance(
+        self, outputs: list[ort.OrtValue] | None, width: int, states: dict[str, np.ndarray] | None = None
+    ) -> None: ...
 
 
 class DecodeStep:
@@ -43,22 +47,38 @@ class DecodeStep:
         self.bindings = (artifact.session.io_binding(), artifact.session.io_binding())  # even steps', odd steps'
         self.steps = 0
         self.inputs = (INPUT_IDS, CACHE_POSITION) if artifact.static else (INPUT_IDS,)  # dynamic: no position
-        self.io: dict[str, tuple[np.ndarray, ort.OrtValue]] = {}  # ids, positions, logits: host array, bound value
+        self.state_outputs = artifact.shift_states()  # a shift state's past -> its every token's values, if given
+        widths = {e["name"]: e["axes"][-1] for e in artifact.manifest["outputs"]}
+        self.state_widths = {past: widths[name] for past, name in self.state_outputs.items()}
+        self.rows = 0
+        self.sized: dict[int, dict[str, tuple[np.ndarray, ort.OrtValue]]] = {}  # by width: buffers by name
+        self.bound: list[dict | None] = [None, None]  # the buffers each binding holds
 
-    def _bind_buffers(self, rows: int, width: int) -> None:
-        """Bind the step's own buffers, `rows` rows of `width` tokens, to both bindings; later steps write into them."""
-        arrays = {
-            INPUT_IDS: np.empty((rows, width), dtype=np.int64),
-            CACHE_POSITION: np.empty(width, dtype=np.int64),
-            LOGITS: np.empty((rows, width, self.artifact.vocab_size), dtype=np.float32),
-        }
-        for name in (*self.inputs, LOGITS):
-            self.io[name] = (arrays[name], ort.OrtValue.ortvalue_from_numpy(arrays[name], self.cache.device, 0))
-        self.ahead = np.arange(width, dtype=np.int64)  # each token's position past the step's first slot
-        for binding in self.bindings:
-            for name in (*self.inputs, LOGITS):
-                bind = binding.bind_ortvalue_output if name == LOGITS else binding.bind_ortvalue_input
-                bind(name, self.io[name][1])
+    def _buffers(self, rows: int, width: int) -> dict[str, tuple[np.ndarray, ort.OrtValue]]:
+        """The step's own buffers for `rows` rows of `width` tokens, by graph name (a host array, and the value bound):
+        ids, positions, logits and each token's shift states, on the host. Made once for each width (a speculative
+        step's width changes step by step), later steps write into them."""
+        if rows != self.rows:
+            self.rows, self.sized = rows, {}
+        if width not in self.sized:
+            arrays = {
+                INPUT_IDS: np.empty((rows, width), dtype=np.int64),
+                CACHE_POSITION: np.empty(width, dtype=np.int64),
+                LOGITS: np.empty((rows, width, self.artifact.vocab_size), dtype=np.float32),
+            }
+            on_device = {name: arrays[name] for name in (*self.inputs, LOGITS)}
+            sized = {name: (array, ort.OrtValue.ortvalue_from_numpy(array, self.cache.device, 0))
+                     for name, array in on_device.items()}  # fmt: skip
+            for past, name in self.state_outputs.items():  # read on the host, where a row keeps fewer tokens
+                states = np.empty((rows, width, self.state_widths[past]), dtype=np.float32)
+                sized[name] = (states, ort.OrtValue.ortvalue_from_numpy(states))
+            self.sized[width] = sized
+        return self.sized[width]
+
+    def _bind(self, binding: ort.IOBinding, io: dict[str, tuple[np.ndarray, ort.OrtValue]]) -> None:
+        for name, (_, value) in io.items():
+            bind = binding.bind_ortvalue_input if name in self.inputs else binding.bind_ortvalue_output
+            bind(name, value)
 
     def __call__(self, tokens: np.ndarray) -> np.ndarray:
         """Feed `tokens` `[rows, width]` into rows [0, rows) of the cache, where and over what it says; returns the
@@ -66,22 +86,28 @@ class DecodeStep:
         fewer (never for fewer than one)."""
         rows = len(tokens)
         width, slot, mask = self.cache.prepare_step(rows, tokens.shape[1])
-        binding, following = self.bindings[self.steps % 2], self.bindings[1 - self.steps % 2]
-        shape = self.io[INPUT_IDS][0].shape if self.io else None
-        if shape != (rows, width):
-            self._bind_buffers(rows, width)
-        self.cache.bind_step(binding, following, rows, fresh=shape is None or shape[0] != rows)
+        fresh = rows != self.rows
+        io = self._buffers(rows, width)
+        turn = self.steps % 2
+        binding, following = self.bindings[turn], self.bindings[1 - turn]
+        # Fresh, both bindings: the logits then come before the cache's outputs, whose order a fed-back cache reads
+        for index in (turn, 1 - turn) if fresh else (turn,):
+            if self.bound[index] is not io:
+                self._bind(self.bindings[index], io)
+                self.bound[index] = io
+        self.cache.bind_step(binding, following, rows, fresh=fresh)
         on_host = self.cache.device == "cpu"
-        self.io[INPUT_IDS][0][...] = tokens[:, :width]
+        io[INPUT_IDS][0][...] = tokens[:, :width]
         if self.artifact.static:
-            np.add(self.ahead, slot, out=self.io[CACHE_POSITION][0])  # written in place: no array a step
+            io[CACHE_POSITION][0][...] = range(slot, slot + width)  # written in place: no array a step
         if not on_host:
             for name in self.inputs:
-                host, device = self.io[name]
+                host, device = io[name]
                 device.update_inplace(host)
         binding.bind_cpu_input(ATTENTION_MASK, mask)
         self.run(binding)
         self.steps += 1
-        self.cache.advance(binding.get_outputs() if self.cache.feeds_back else None, width)
-        host, device = self.io[LOGITS]
+        states = {past: io[name][0] for past, name in self.state_outputs.items()}
+        self.cache.advance(binding.get_outputs() if self.cache.feeds_back else None, width, states)
+        host, device = io[LOGITS]
         return host if on_host else device.numpy()

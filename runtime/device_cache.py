@@ -64,6 +64,7 @@ class DeviceCache:
                 self.layer_buffers[index // fields].append(past)
         self.gate_names = artifact.gate_names()
         self.shift_names = [past for past, _ in self.pairs if _field(past).endswith("shift")]
+        self.states_given = bool(artifact.shift_states())  # each token's shift states, by a step (see `keep`)
         # Each layer's present keys and values that its runs give folded while its heads' windows are staggered
         self.folding = {present: index // fields for index, (past, present) in enumerate(self.pairs)
                         if past in self.in_place and artifact.folds(present)}  # fmt: skip
@@ -169,6 +170,7 @@ class DeviceCache:
         self.mask, self.live = mask, np.ones(self.batch, dtype=bool)
         self.run_start, self.filled = filled - 1, filled
         self.saved_states: dict[str, ort.OrtValue] = {}  # the shift states a run of several tokens read
+        self.token_states: dict[str, np.ndarray] = {}  # or the latest step's after each token (DecodeStep's)
         self.again = 0  # tokens kept that the next run feeds again first (see `keep`)
         self.lead = 0  # such tokens at the start of the latest run
 
@@ -181,23 +183,28 @@ class DeviceCache:
     def prepare_step(self, rows: int, width: int = 1) -> tuple[int, int, np.ndarray]:
         """Before a decode step of up to `width` tokens a row (over every row: `rows` is the batch; a token and the
         drafts after it, see `keep`): how many fit, the slot the first is written to and the step's attention mask,
-        pruning first at the decode's cadence. A step of several keeps the shift states it reads: it writes its own
-        into other buffers (a swapped state's spare, a fed-back state's new present), so those it read stay as they
-        were, to go back to (see `keep`)."""
+        pruning first at the decode's cadence. A step of several keeps the shift states it reads, where the graph
+        does not give them after each token: it writes its own into other buffers (a swapped state's spare, a
+        fed-back state's new present), so those it read stay as they were, to go back to (see `keep`)."""
         new, slot, window = self.prepare_chunk(self.mask, self.filled, width, self.live, cadence=True)
         self.run_start, self.filled, self.lead, self.again = self.filled, self.filled + new, self.again, 0
-        self.saved_states = {name: self.past[name] for name in self.shift_names} if new > 1 else {}
+        saved = new > 1 and not self.states_given
+        self.saved_states = {name: self.past[name] for name in self.shift_names} if saved else {}
         return new, slot, window
 
     def keep(self, kept: int) -> int:
         """Of the latest run's positions after those it fed again keep the first `kept` (the drafts chosen, and the
         token before them): the others' gates are cleared, as `reset` leaves slots, and a fed-back cache is cut. A
         run's shift states are those after its last token, so where the model shifts tokens and some are dropped,
-        the cache goes back to the run's start and its states, and the next run must feed the run's first tokens
-        again, up to those kept: returns how many (else 0)."""
+        they become the states after the last kept token where the graph gives each token's; else the cache goes
+        back to the run's start and its states, and the next run must feed the run's first tokens again, up to
+        those kept: returns how many (else 0)."""
         end, self.filled = self.filled, self.run_start + self.lead + kept
         if self.filled >= end:
             return 0
+        for past, states in self.token_states.items():
+            with buffers.on_host(self.past[past], self.dtypes[past], self.device) as state:
+                state[...] = states[:, self.lead + kept - 1]
         if self.saved_states:
             self.filled, self.again = self.run_start, self.lead + kept
         self._cut(end)
@@ -372,9 +379,13 @@ class DeviceCache:
             binding.bind_ortvalue_input(past, self.past[past])
             binding.bind_output(present, self.device)
 
-    def advance(self, outputs: list[ort.OrtValue] | None, width: int = 1) -> None:
+    def advance(
+        self, outputs: list[ort.OrtValue] | None, width: int = 1, states: dict[str, np.ndarray] | None = None
+    ) -> None:  # fmt: skip
         """Make this step's presents the next step's pasts (`outputs`: logits, then one per pair, in binding
-        order; needed only when `feeds_back`; `prepare_step` counted the `width` tokens filled)."""
+        order; needed only when `feeds_back`; `prepare_step` counted the `width` tokens filled); `states`: each
+        shift state's values after each token, where the graph gives them (see `keep`)."""
+        self.token_states = states or {}
         for index, past, _ in self.fed_back:
             self.past[past] = outputs[1 + index]
         for past in self.swapped:

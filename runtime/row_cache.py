@@ -48,6 +48,7 @@ class RowCache:
         self.fresh = {past: self._zeros(past, 1) for past, _ in self.shifted}  # a new request's state
         # A prompt's state between its chunks, out of the rows' buffers, which the decode steps between chunks rewrite
         self.scratch = {past: (self._zeros(past, 1), self._zeros(past, 1)) for past, _ in self.shifted}
+        self.token_states: dict[str, np.ndarray] = {}  # the latest step's shift states after each token, if given
         self.clock = 0  # the slot the next decode step writes, in every row
         self.pruned_at = 0  # the clock when the running rows were last pruned
         self.holes = np.zeros((rows, self.length), dtype=bool)  # slots a running row does not keep (see `keep`)
@@ -89,25 +90,32 @@ class RowCache:
             self._bind(binding.bind_input, past, past, read, 0, rows)
             self._bind(binding.bind_output, present, past, written, 0, rows)
 
-    def advance(self, outputs: list[ort.OrtValue] | None = None, width: int = 1) -> None:
-        """After a decode step of `width` tokens a row: the clock moves on, and the spares hold the shift states now."""
-        self.clock += width
+    def advance(
+        self, outputs: list[ort.OrtValue] | None = None, width: int = 1, states: dict[str, np.ndarray] | None = None
+    ) -> None:  # fmt: skip
+        """After a decode step of `width` tokens a row: the clock moves on, and the spares hold the shift states now
+        (`states`: their values after each token, where the graph gives them; see `keep`)."""
+        self.clock, self.token_states = self.clock + width, states or {}
         for past, _ in self.shifted:
             self.buffers[past], self.spare[past] = self.spare[past], self.buffers[past]
 
     def keep(self, row: int, kept: int, width: int) -> int:
         """Of the latest step's `width` slots of `row`, keep the first `kept`; the others become holes. Where the model
-        shifts tokens and some are not kept, the row goes back to its state before the step, and every slot of the
-        step is a hole: returns how many tokens the row's next step must feed again first (else 0)."""
+        shifts tokens and some are not kept, its state becomes the one after the last kept token where the graph
+        gives each token's; else the row goes back to its state before the step, and every slot of the step is a
+        hole: returns how many tokens the row's next step must feed again first (else 0)."""
         if kept >= width:
             return 0
-        again = kept if self.shifted else 0
+        for past, states in self.token_states.items():
+            with buffers.on_host(self.buffers[past], self.dtypes[past], self.device) as state:
+                state[row] = states[row, kept - 1]
+        again = kept if self.shifted and not self.token_states else 0
         first = self.clock - width + (0 if again else kept)
         self.holes[row, first : self.clock] = True
         for past in self.gate_names:
             with buffers.on_host(self.buffers[past], "float32", self.device) as host:
                 host[row, :, first : self.clock] = 0
-        for past, _ in self.shifted:  # the step read the spare's state and wrote the current buffer's
+        for past, _ in self.shifted if again else ():  # the step read the spare's state and wrote the current one's
             host = buffers.to_host(self.spare[past], self.dtypes[past])[row]
             with buffers.on_host(self.buffers[past], self.dtypes[past], self.device) as state:
                 state[row] = host

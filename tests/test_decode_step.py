@@ -32,7 +32,7 @@ def reference_step(artifact: Artifact, pasts: dict, ids: np.ndarray, mask: np.nd
     feeds = {io.INPUT_IDS: ids, io.ATTENTION_MASK: mask, **{name: past[:rows] for name, past in pasts.items()}}
     if artifact.static:
         feeds[io.CACHE_POSITION] = np.array([slot], dtype=np.int64)
-    logits, *presents = artifact.session.run(None, feeds)
+    logits, *presents = artifact.session.run([io.LOGITS, *artifact.present_names()], feeds)
     for name, present in zip(artifact.present_names(), presents, strict=True):
         past = io.past_of(name)
         if artifact.static:

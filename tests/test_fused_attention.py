@@ -18,7 +18,7 @@ NAMES = ["query", "key", "value", "gate_logits", "gate_bias", "past_key", "past_
 PRO_NAMES = ["key_shift_logits", "past_key_shift", "value_shift_logits", "past_value_shift", "query_norm", "key_norm",
              "output_norm", "output_gate_logits"]  # fmt: skip
 OUTPUTS = ["output", "present_key", "present_value", "present_gate"]
-SHIFT_OUTPUTS = ["present_key_shift", "present_value_shift"]
+SHIFT_OUTPUTS = ["present_key_shift", "present_value_shift", "key_shift_states", "value_shift_states"]
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +58,12 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
 
 
 def _shifted(raw: np.ndarray, logits: np.ndarray, state: np.ndarray, real: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """A token shift: a r_{t-1} + (1 - a) r_t per kv head, r zero at padding and `state` before the first token."""
+    """A token shift: a r_{t-1} + (1 - a) r_t per kv head, r zero at padding and `state` before the first token; and
+    r, each token's state after it."""
     r = raw * real[..., None]
     before = np.concatenate([state[:, None].astype(np.float64), r[:, :-1]], axis=1)
     weight = np.repeat(_sigmoid(logits), raw.shape[-1] // logits.shape[-1], axis=-1)
-    return weight * before + (1 - weight) * r, r[:, -1]
+    return weight * before + (1 - weight) * r, r
 
 
 def _rms(x: np.ndarray, weight: np.ndarray, dim: int, eps: float) -> np.ndarray:
@@ -83,7 +84,7 @@ def naive(feeds: dict, heads: int, kv_heads: int, silu: bool = False) -> list[np
     mask = np.broadcast_to(mask, (batch, window))
     logits = feeds["gate_logits"].astype(np.float64) + feeds.get("gate_bias", np.zeros(heads))  # [batch, seq, heads]
     real = mask[:, positions] > 0  # [batch, seq]: the new tokens that are not padding
-    states = []
+    states = []  # each shift's every token's state (the last's is the present state)
     if "key_shift_logits" in feeds:
         k, state = _shifted(k, feeds["key_shift_logits"], feeds["past_key_shift"], real)
         states.append(state)
@@ -126,7 +127,7 @@ def naive(feeds: dict, heads: int, kv_heads: int, silu: bool = False) -> list[np
     if "output_gate_logits" in feeds:
         z = feeds["output_gate_logits"].astype(np.float64)
         out = out * (z * _sigmoid(z) if silu else _sigmoid(z))
-    return [out, keys, values, gates, *states]
+    return [out, keys, values, gates, *(state[:, -1] for state in states), *states]
 
 
 def _feeds(rng, batch, seq, heads, kv_heads, dim, past, window, starts, padding, position=None) -> dict:
@@ -298,8 +299,8 @@ def test_fox_pro_inputs_each_optional(library, left_out):
     got = _session(library, heads, kv_heads, names, OUTPUTS + SHIFT_OUTPUTS).run(None, feeds)
     expected = naive(feeds, heads, kv_heads)
     if "key_shift_logits" not in feeds:
-        assert got[4].shape == (2, 0)
-        got = got[:4] + got[5:]
+        assert got[4].shape == (2, 0) and got[6].shape == (2, 5, 0)
+        got = got[:4] + got[5:6] + got[7:]
     for actual, wanted in zip(got, expected, strict=True):
         np.testing.assert_allclose(actual, wanted, rtol=0, atol=2e-5)
 

@@ -26,11 +26,11 @@ def graph_entries(values) -> list[dict]:
     return entries
 
 
-def contract_io(config: FoxConfig, dtype: str, max_cache_len: int | None) -> tuple[list, list]:
+def contract_io(config: FoxConfig, dtype: str, max_cache_len: int | None, fused: bool) -> tuple[list, list]:
     """The contract's inputs (optional ones last) and outputs, spelled out from the model's sizes: keys and values
     in the model's dtype `[batch, kv_heads, length, head_dim]`, gates float32 `[batch, heads, length]`, shift states
     `[batch, kv_heads * head_dim]`; a static cache's length is its size, a dynamic one's "past" before a run and
-    "total" after it."""
+    "total" after it. A `fused` graph then gives each token's shift states `[batch, seq, kv_heads * head_dim]`."""
     heads, kv_heads, dim = config.num_heads, config.kv_heads, config.head_dim
     shifts = [f for f, on in (("key_shift", config.use_k_shift), ("value_shift", config.use_v_shift)) if on]
 
@@ -52,7 +52,11 @@ def contract_io(config: FoxConfig, dtype: str, max_cache_len: int | None) -> tup
         {"name": "logits_to_keep", "dtype": "int64", "axes": [1]},
     ]
     logits = {"name": "logits", "dtype": "float32", "axes": ["batch", "kept", config.vocab_size]}
-    return inputs, [logits, *cache("present", max_cache_len if static else "total")]
+    each_token = [
+        {"name": f"shift_states.{layer}.{field}", "dtype": dtype, "axes": ["batch", "seq", kv_heads * dim]}
+        for layer in range(config.num_hidden_layers) for field in shifts
+    ] if fused else []  # fmt: skip
+    return inputs, [logits, *cache("present", max_cache_len if static else "total"), *each_token]
 
 
 @pytest.mark.parametrize(
@@ -70,7 +74,8 @@ def test_the_manifest_lists_the_graphs_inputs_and_outputs_and_its_cache_as_the_c
     graph = onnx.load(str(path / "model.onnx"), load_external_data=False).graph
     config = FoxConfig.from_pretrained(path)
     length = STATIC_LENGTH if cache == "static" else None
-    inputs, outputs = contract_io(config, {"fp32": "float32", "fp16": "float16"}[dtype], length)
+    fused = manifest["attention"] == "fused"
+    inputs, outputs = contract_io(config, {"fp32": "float32", "fp16": "float16"}[dtype], length, fused)
     assert graph_entries(graph.input) == manifest["inputs"] + manifest["optional_inputs"] == inputs
     assert graph_entries(graph.output) == manifest["outputs"] == outputs
     initializers = {tensor.name for tensor in graph.initializer}
@@ -85,7 +90,7 @@ def test_the_manifest_lists_the_graphs_inputs_and_outputs_and_its_cache_as_the_c
     layers = range(manifest["model"]["num_layers"])
     pasts = [entry["name"] for entry in inputs if entry["name"].startswith("past_key_values.")]
     assert [names["past"].format(layer=i, field=f) for i in layers for f in fields] == pasts
-    presents = [entry["name"] for entry in outputs[1:]]
+    presents = [entry["name"] for entry in outputs if entry["name"].startswith("present.")]
     assert [names["present"].format(layer=i, field=f) for i in layers for f in fields] == presents
     assert manifest["model"] == {
         "num_layers": config.num_hidden_layers, "num_heads": config.num_heads, "num_kv_heads": config.kv_heads,

@@ -110,7 +110,7 @@ def run_steps(model, layout, path, ids, mask, logits_to_keep: int = 0):
             feed |= {"attention_mask": window, "cache_position": np.arange(start, stop)}
         else:
             feed["attention_mask"] = mask[:, :stop].numpy()
-        outputs = dict(zip(layout.output_names(), session.run(None, feed), strict=True))
+        outputs = dict(zip(layout.output_names(), session.run(layout.output_names(), feed), strict=True))
         if gqa:
             assert outputs["present.0.key"].shape[2] == outputs["present.0.gate"].shape[2] == MAX_CACHE_LEN
         logits.append(outputs["logits"])

@@ -8,6 +8,7 @@ import torch
 
 from kvg_export import DynamicCache
 from kvg_export.presets import load_model
+from runtime import buffers
 from runtime.artifact import Artifact, SessionOptions
 from runtime.prefix_cache import Block
 from runtime.row_cache import RowCache
@@ -187,20 +188,28 @@ def test_blocks_written_into_a_row_read_back_as_written_and_a_move_shifts_every_
             np.testing.assert_array_equal(state, unmoved[row][1][name], err_msg=f"row {row} {name}")
 
 
-@pytest.mark.parametrize("preset", ["fox-tiny", "fox-pro-tiny"])  # FoX-Pro: a row that keeps fewer holes its whole step
-def test_trim_takes_the_clock_back_over_the_latest_slots_every_running_row_left_as_holes(exported, preset):
+# FoX-Pro: a row that keeps fewer holes its whole step, unless the step gave each token's shift states
+@pytest.mark.parametrize(("preset", "given"), [("fox-tiny", False), ("fox-pro-tiny", False), ("fox-pro-tiny", True)])
+def test_trim_takes_the_clock_back_over_the_latest_slots_every_running_row_left_as_holes(exported, preset, given):
     """After a wide step's keeps, the clock goes back to the last slot some running row keeps (a free row's slots
-    count for nothing), and those slots are no row's holes: the next step writes them."""
+    count for nothing), and those slots are no row's holes: the next step writes them. Given each token's shift
+    states, a row that keeps fewer takes the state after its last kept token."""
     cache = RowCache(Artifact.open(exported(preset, "static")[0].path, CPU), 3)
     cache.clock = 10
     for row in (0, 1):
         cache.join(row, None)
     cache.holes[2, :] = True  # a free row's leftovers
+    rng = np.random.default_rng(4)
 
     def step(width: int, kept: dict[int, int]) -> None:
-        cache.advance(width=width)
+        widths = {past: buffers.to_host(cache.buffers[past], "float32").shape[1] for past, _ in cache.shifted}
+        states = {past: rng.standard_normal((3, width, size), dtype=np.float32) for past, size in widths.items()}
+        cache.advance(width=width, states=states if given else None)
         for row, count in kept.items():
             cache.keep(row, count, width)
+            for past, values in states.items() if given and count < width else ():
+                kept_state = buffers.to_host(cache.buffers[past], "float32")[row]
+                np.testing.assert_array_equal(kept_state, values[row, count - 1])
         running, end = list(cache.running), cache.clock
         while end > 0 and cache.holes[running, end - 1].all():  # the naive rule, slot by slot
             end -= 1
@@ -214,6 +223,6 @@ def test_trim_takes_the_clock_back_over_the_latest_slots_every_running_row_left_
     step(3, {0: 3, 1: 3})  # every draft kept: nothing to take back
     cache.leave(1)
     step(4, {0: 2})  # a lone row's rejected drafts
-    # each step leaves the most any row kept (3, 1, 3, 2); FoX-Pro's rows go back over a step they keep part of and
-    # feed those tokens again, so only the step that kept everything stays
-    assert cache.clock == 10 + (3 if cache.shifted else 3 + 1 + 3 + 2)
+    # each step leaves the most any row kept (3, 1, 3, 2); FoX-Pro's rows without each token's states go back over a
+    # step they keep part of and feed those tokens again, so only the step that kept everything stays
+    assert cache.clock == 10 + (3 if cache.shifted and not given else 3 + 1 + 3 + 2)

@@ -1,4 +1,4 @@
-// FoX attention over the gated cache as one onnxruntime custom op: kvg.fox FoxAttention, version 2.
+// FoX attention over the gated cache as one onnxruntime custom op: kvg.fox FoxAttention, version 3.
 //
 // A layer's step in one node: FoX-Pro's work before attention (token shift, QK-norm) on the new queries, keys and
 // values; the new keys, values and log forget gates written into the cache buffers (in place where the runtime binds
@@ -39,7 +39,8 @@
 //   graph needs no Split to cut it.
 // Outputs: 0 output [B, S, H*D]; 1 present_key, 2 present_value [B, K, P, D]; 3 present_gate [B, H, P], where
 //   P = max(L, W - min(window_starts)); optional 4 present_key_shift, 5 present_value_shift [B, K*D] (the last new
-//   token's r; [B, 0] without a shift). A present bound to its past's buffer is written in place; otherwise the past
+//   token's r; [B, 0] without a shift); optional 6 key_shift_states, 7 value_shift_states [B, S, K*D] (each new
+//   token's r: the state after it, where a speculative run keeps only its first tokens). A present bound to its past's buffer is written in place; otherwise the past
 //   is copied into it first and its slots after the past are zero.
 //
 // Threads: onnxruntime's intra-op pool, across rows, heads and blocks of queries, and across blocks of keys
@@ -124,6 +125,7 @@ struct Problem {
   const float *query_norm, *key_norm, *output_norm, *output_gate;
   int64_t query_norm_size, key_norm_size, output_norm_size;
   float *next_key_shift, *next_value_shift;
+  float *key_shift_states, *value_shift_states;  // outputs 6 and 7 where the node has them (else null)
   std::vector<float> prepared;  // the new queries, keys and values after the shift and QK-norm
   std::array<View, kInputs> inputs;
   std::vector<float> unpacked;  // the packed inputs' columns, one after another
@@ -156,9 +158,11 @@ void rms_normalize(float* x, int64_t dim, const float* norm, int64_t size, int64
   for (int64_t d = 0; d < dim; ++d) x[d] = x[d] / root * weight[d];
 }
 
-// A projection's token shift, row by row: `raw` [B, S, K*D] mixed with the token before's into `mixed`, and each
-// row's last r into `last` [B, K*D] (which may be `state`'s buffer: a row's state is read before its last is written)
-void shift(const Problem& p, const float* raw, const float* logits, const float* state, float* mixed, float* last) {
+// A projection's token shift, row by row: `raw` [B, S, K*D] mixed with the token before's into `mixed`, each row's
+// last r into `last` [B, K*D] (which may be `state`'s buffer: a row's state is read before its last is written), and,
+// where `each` is not null, every token's r into it [B, S, K*D]
+void shift(const Problem& p, const float* raw, const float* logits, const float* state, float* mixed, float* last,
+           float* each) {
   const int64_t width = p.kv_heads * p.dim;
   for (int64_t b = 0; b < p.batch; ++b) {
     const float* before = state + b * width;
@@ -172,6 +176,8 @@ void shift(const Problem& p, const float* raw, const float* logits, const float*
         for (int64_t d = h * p.dim; d < (h + 1) * p.dim; ++d)
           mixed[token * width + d] = a * (kept_before * before[d]) + (1.0f - a) * (kept * now[d]);
       }
+      if (each != nullptr)
+        for (int64_t d = 0; d < width; ++d) each[token * width + d] = kept * now[d];
       before = now;
       kept_before = kept;
     }
@@ -197,11 +203,11 @@ void prepare(Problem& p, float eps) {
   float* key = query + tokens * query_width;
   float* value = key + tokens * width;
   if (p.key_shift_logits != nullptr) {
-    shift(p, p.key, p.key_shift_logits, p.past_key_shift, key, p.next_key_shift);
+    shift(p, p.key, p.key_shift_logits, p.past_key_shift, key, p.next_key_shift, p.key_shift_states);
     p.key = key;
   }
   if (p.value_shift_logits != nullptr) {
-    shift(p, p.value, p.value_shift_logits, p.past_value_shift, value, p.next_value_shift);
+    shift(p, p.value, p.value_shift_logits, p.past_value_shift, value, p.next_value_shift, p.value_shift_states);
     p.value = value;
   }
   if (p.query_norm != nullptr) {
@@ -668,6 +674,8 @@ struct FoxAttentionKernel {
     p.gates = present_gate.GetTensorMutableData<float>();
     p.next_key_shift = shift_state(context, 4, p.key_shift_logits != nullptr, p);
     p.next_value_shift = shift_state(context, 5, p.value_shift_logits != nullptr, p);
+    p.key_shift_states = token_states(context, 6, p.key_shift_logits != nullptr, p);
+    p.value_shift_states = token_states(context, 7, p.value_shift_logits != nullptr, p);
     if ((p.key_shift_logits != nullptr && p.next_key_shift == nullptr) ||
         (p.value_shift_logits != nullptr && p.next_value_shift == nullptr))
       return fail("a token shift needs its present state among the outputs");
@@ -738,6 +746,13 @@ struct FoxAttentionKernel {
     if (context.GetOutputCount() <= index) return nullptr;
     auto state = context.GetOutput(index, {p.batch, shifted ? kv_heads * p.dim : 0});
     return shifted ? state.GetTensorMutableData<float>() : nullptr;
+  }
+
+  // Output 6 or 7, where the node has it: each new token's shift state, [B, S, K*D] (null and [B, S, 0] unshifted)
+  float* token_states(Ort::KernelContext& context, size_t index, bool shifted, const Problem& p) const {
+    if (context.GetOutputCount() <= index) return nullptr;
+    auto states = context.GetOutput(index, {p.batch, p.seq, shifted ? kv_heads * p.dim : 0});
+    return shifted ? states.GetTensorMutableData<float>() : nullptr;
   }
 
   // Inputs 11 to 18 into the problem, their shapes checked (null where absent)
@@ -838,7 +853,7 @@ struct FoxAttentionOp : Ort::CustomOpBase<FoxAttentionOp, FoxAttentionKernel, tr
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t index) const {
     return index == 0 || (index >= 5 && index <= 9) ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
   }
-  size_t GetOutputTypeCount() const { return 6; }
+  size_t GetOutputTypeCount() const { return 8; }
   ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
   OrtCustomOpInputOutputCharacteristic GetOutputCharacteristic(size_t index) const {
     return index >= 4 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;

@@ -19,6 +19,7 @@ from exporters.passes.last_logits import keep_last_logits
 from exporters.passes.lean_gates import lean_gates
 from exporters.passes.names import name_by_module, unique_names
 from exporters.passes.pack_attention import pack_attention_inputs
+from exporters.passes.shift_states import expose_shift_states
 from exporters.passes.window_offsets import default_to_zeros, name_present_axes
 
 
@@ -67,6 +68,10 @@ PASSES = (
     GraphPass(  # the fused operator reads each head's window without folding heads into rows
         "present axes named for folded heads",
         lambda model, c: name_present_axes(model.graph) if c.window_offsets and c.attention != "fused" else 0,
+    ),
+    GraphPass(
+        "shift-state outputs of each token",
+        lambda model, c: expose_shift_states(model.graph) if c.attention == "fused" else 0,
     ),
     GraphPass("logits_to_keep inputs", lambda model, _: keep_last_logits(model.graph)),
     GraphPass("values named uniquely", lambda model, _: unique_names(model.graph)),
