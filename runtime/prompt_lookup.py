@@ -36,33 +36,39 @@ class PromptLookup:
 
     def start(self, prompt: list[int], config=None) -> Lookup:
         """The guesser of one row, which has read `prompt` (the request's `config` is a draft model's concern)."""
-        lookup = Lookup(self)
-        for token in prompt:
-            lookup.push(token)
-        return lookup
+        return Lookup(self, prompt)
 
 
 class Lookup:
     """One row's text and, for each n-gram of `min_ngram` to `ngram` tokens, where its latest occurrence before the
-    text's end was followed from: guessing and reading a token cost O(ngram), however long the text."""
+    text's end was followed from: guessing and reading a token cost O(ngram), however long the text. The n-grams are
+    indexed when a guess is first asked for, so a row that never guesses (the engine's rows while several run)
+    costs an append a token."""
 
     distributions = ()  # a guess is one token for certain: no q (see `Sampler.verify`)
 
-    def __init__(self, settings: PromptLookup):
+    def __init__(self, settings: PromptLookup, prompt: list[int]):
         self.settings = settings
-        self.text: list[int] = []
+        self.text = list(prompt)
+        self.indexed = 0  # the text's first tokens whose n-grams `followed` holds
         self.followed: dict[tuple[int, ...], int] = {}  # n-gram -> the index after its latest earlier occurrence
 
     def push(self, token: int) -> None:
-        """Read the next token: the n-grams that ended the text until now are earlier occurrences from now on."""
-        end = len(self.text)
-        for n in range(self.settings.min_ngram, min(self.settings.ngram, end) + 1):
-            self.followed[tuple(self.text[end - n :])] = end
         self.text.append(token)
+
+    def _index(self) -> None:
+        """Bring `followed` up to the text's end: the n-grams that ended the text before each token are earlier
+        occurrences from then on."""
+        low, high = self.settings.min_ngram, self.settings.ngram
+        for end in range(max(self.indexed, 1), len(self.text)):
+            for n in range(low, min(high, end) + 1):
+                self.followed[tuple(self.text[end - n : end])] = end
+        self.indexed = len(self.text)
 
     def propose(self, most: int) -> list[int]:
         """Up to `most` (and `tokens`) guesses: what followed the latest earlier occurrence of the longest final
         n-gram (of at least `min_ngram`) that occurred before; none when none did."""
+        self._index()
         for n in range(min(self.settings.ngram, len(self.text)), self.settings.min_ngram - 1, -1):
             start = self.followed.get(tuple(self.text[-n:]))
             if start is not None:

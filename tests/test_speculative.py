@@ -99,6 +99,8 @@ def test_prompt_lookup_proposes_what_followed_the_latest_earlier_occurrence(min_
     proposed = []
     for length in range(2, len(text) + 1):
         lookup.push(text[length - 1])
+        if length % 5 in (1, 2):  # tokens read while no guess is asked for, indexed at the next guess
+            continue
         most = 1 + length % 7  # sometimes fewer than `tokens`
         assert lookup.propose(most) == naive_proposal(text[:length], min(most, 6), ngram, min_ngram), length
         proposed.append(len(lookup.propose(most)))
