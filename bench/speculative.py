@@ -5,10 +5,11 @@ The presets were trained on the standard library, so their prompts here are othe
 preset's default artifact (dynamic, fp32, the fused operator) continues each prompt greedily for `--new-tokens`
 tokens, batch 1, plain and with `--speculative ngram` alternating in one process, after a warm-up of each; a
 figure is the median over `--runs` of decode tokens/s, and each speculative run's tokens must be the plain run's.
-Then kvg-serve on each preset's static artifact, without and with `--speculative ngram` in turn, each run: at
-each level of `--clients`, that many clients at once stream eight requests (two windows of
-`--serve-prompt-tokens` tokens of each module) of `--new-tokens` greedy tokens; a figure is the median of all
-tokens over the level's wall time.
+Then kvg-serve on each preset's static artifact, a server without and one with `--speculative ngram` up at once,
+taking turns at each level of `--clients` of each run: that many clients at once stream eight requests (two
+windows of `--serve-prompt-tokens` tokens of each module) of `--new-tokens` greedy tokens; a figure is the median
+of all tokens over the level's wall time. A speed-up is the median of the ratios of runs taken in turn (paired:
+this machine's speed drifts between minutes).
 Writes results/speculative.json and the table in bench/README.md.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.util
 import json
 import statistics
@@ -47,24 +49,32 @@ def held_out_prompt(generator: Generator, module: str, tokens: int, window: int 
 
 
 def serve_levels(preset: str, prompts: list[list[int]], args: argparse.Namespace) -> dict:
-    """Tokens/s through kvg-serve at each level of `--clients`, without and with prompt lookup, alternating."""
+    """Tokens/s through kvg-serve at each level of `--clients`, without and with prompt lookup: both servers up
+    (after a warm-up run each), taking turns at each level of each run, so that a ratio compares two runs seconds
+    apart rather than minutes (this machine's speed drifts by up to 1.5x between minutes)."""
     static = artifact(preset, "static", SERVE_LENGTH, "fused")
     levels = args.clients
-    figures = {system: {level: [] for level in levels} for system in ("plain", "speculative")}
-    for _ in range(args.runs):
-        for system, flags in (("plain", []), ("speculative", ["--speculative", "ngram"])):
-            with kvg_serve(static, server_flags(max(levels), args.threads, flags)) as (_process, url):
-                for level in levels:
+    systems = {"plain": [], "speculative": ["--speculative", "ngram"]}
+    figures = {system: {level: [] for level in levels} for system in systems}
+    with contextlib.ExitStack() as servers:
+        urls = {system: servers.enter_context(kvg_serve(static, server_flags(max(levels), args.threads, flags)))[1]
+                for system, flags in systems.items()}  # fmt: skip
+        for url in urls.values():
+            asyncio.run(concurrent(url, prompts, levels[0], args.new_tokens))
+        for _ in range(args.runs):
+            for level in levels:
+                for system, url in urls.items():
                     level_run = asyncio.run(concurrent(url, prompts, level, args.new_tokens))
                     figures[system][level].append(level_run["tokens_per_s"])
-    return {
-        f"{level} clients": {
-            "plain_tokens_per_s": figures["plain"][level],
-            "speculative_tokens_per_s": figures["speculative"][level],
-            "ratio": statistics.median(figures["speculative"][level]) / statistics.median(figures["plain"][level]),
-        }
-        for level in levels
-    }
+    return {f"{level} clients": paired(figures["plain"][level], figures["speculative"][level]) for level in levels}
+
+
+def paired(plain: list[float], spoken: list[float]) -> dict:
+    """Runs taken in turn: each system's figures, and the median and range of the speculative run's over the plain
+    run's of the same turn."""
+    ratios = [s / p for s, p in zip(spoken, plain, strict=True)]
+    return {"plain_tokens_per_s": plain, "speculative_tokens_per_s": spoken, "ratio": statistics.median(ratios),
+            "ratio_range": [min(ratios), max(ratios)]}  # fmt: skip
 
 
 def measure(generator: Generator, prompt: list[int], config: GenerationConfig, runs: int) -> dict:
@@ -79,15 +89,8 @@ def measure(generator: Generator, prompt: list[int], config: GenerationConfig, r
         spoken.append(result.decode_tokens_per_s)
         proposed, accepted = proposed + result.drafts_proposed, accepted + result.drafts_accepted
         identical &= result.tokens == base.tokens
-    ratios = [s / p for s, p in zip(spoken, plain, strict=True)]
-    return {
-        "plain_tokens_per_s": plain,
-        "speculative_tokens_per_s": spoken,
-        "ratio": statistics.median(spoken) / statistics.median(plain),
-        "ratio_range": [min(ratios), max(ratios)],
-        "acceptance": accepted / proposed if proposed else None,
-        "identical_tokens": identical,
-    }
+    return paired(plain, spoken) | {"acceptance": accepted / proposed if proposed else None,
+                                    "identical_tokens": identical}  # fmt: skip
 
 
 def table(results: dict) -> str:
@@ -100,8 +103,8 @@ def table(results: dict) -> str:
         f"each trained preset's default artifact continues the first {settings['prompt_tokens']} tokens of a "
         f"third-party module greedily for {settings['new_tokens']} tokens, batch 1, {settings['threads']} threads, "
         f"plain and `--speculative ngram` ({LOOKUP.tokens} drafts, {LOOKUP.min_ngram}- to {LOOKUP.ngram}-grams) "
-        f"alternating; decode tokens/s, medians of "
-        f"{settings['runs']} runs; \"same tokens\": every speculative run's tokens were the plain run's.",
+        f"alternating; decode tokens/s, medians of {settings['runs']} runs, the speed-up the median of each pair's "
+        "ratio; \"same tokens\": every speculative run's tokens were the plain run's.",
         "",
         "| preset | module | plain tok/s | prompt lookup tok/s | speed-up (range) | drafts accepted | same tokens |",
         "|---|---|---:|---:|---:|---:|---|",
@@ -119,16 +122,19 @@ def table(results: dict) -> str:
         f"Through kvg-serve (the static artifact of {SERVE_LENGTH} slots, `--max-batch {max(settings['clients'])}`,"
         f" speculating while at most {SPECULATIVE_MAX_ROWS} requests run): eight requests of "
         f"{settings['serve_prompt_tokens']} prompt tokens and {settings['new_tokens']} new ones, all tokens over the "
-        "level's wall time, medians of the runs:",
+        "level's wall time; both servers up, taking turns at each level; medians of the runs, the speed-up the "
+        "median of each turn's ratio:",
         "",
-        "| preset | clients | plain tok/s | prompt lookup tok/s | speed-up |",
+        "| preset | clients | plain tok/s | prompt lookup tok/s | speed-up (range) |",
         "|---|---:|---:|---:|---:|",
     ]
     for preset, levels in results["serve"].items():
         for level, row in levels.items():
+            low, high = row["ratio_range"]
             lines.append(
                 f"| {preset} | {level.split()[0]} | {statistics.median(row['plain_tokens_per_s']):.0f} | "
-                f"{statistics.median(row['speculative_tokens_per_s']):.0f} | {row['ratio']:.2f}x |"
+                f"{statistics.median(row['speculative_tokens_per_s']):.0f} | {row['ratio']:.2f}x ({low:.2f} to "
+                f"{high:.2f}) |"
             )
     return "\n".join([*lines, END])
 
