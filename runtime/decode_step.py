@@ -4,10 +4,10 @@ it), their logits out, the cache updated where it lies.
 The Generator and the engine both decode through it; the cache (DeviceCache or RowCache) binds its own
 tensors. The token ids, the cache positions, the logits (and a fused FoX-Pro graph's shift states after each
 token) keep one buffer each for each width while the batch holds (on the CPU, numpy arrays that onnxruntime reads
-and writes in place, so nothing is copied through pybind). Steps alternate between two bindings, as the shift states alternate between their two buffers, so that a
-step renews only the mask's binding (one column longer each step) and what the cache changed: a speculative step
-of several tokens costs the binding of one token's step (binding every tensor afresh for it cost fox-py about half
-a step).
+and writes in place, so nothing is copied through pybind). Steps alternate between two bindings, as the shift
+states alternate between their two buffers, so that a step renews only the mask's binding (one column longer each
+step) and what the cache changed: a speculative step of several tokens costs the binding of one token's step
+(binding every tensor afresh for it cost fox-py about half a step).
 """
 
 from __future__ import annotations
