@@ -51,28 +51,27 @@ class DecodeStep:
         widths = {e["name"]: e["axes"][-1] for e in artifact.manifest["outputs"]}
         self.state_widths = {past: widths[name] for past, name in self.state_outputs.items()}
         self.rows = 0
-        self.sized: dict[int, dict[str, tuple[np.ndarray, ort.OrtValue]]] = {}  # by width: buffers by name
+        self.sized: dict[int, tuple[dict, dict]] = {}  # by width: the buffers by name, and the states by past
         self.bound: list[dict | None] = [None, None]  # the buffers each binding holds
 
-    def _buffers(self, rows: int, width: int) -> dict[str, tuple[np.ndarray, ort.OrtValue]]:
+    def _buffers(self, rows: int, width: int) -> tuple[dict[str, tuple[np.ndarray, ort.OrtValue]], dict]:
         """The step's own buffers for `rows` rows of `width` tokens, by graph name (a host array, and the value bound):
-        ids, positions, logits and each token's shift states, on the host. Made once for each width (a speculative
-        step's width changes step by step), later steps write into them."""
+        ids, positions (static graphs), logits and each token's shift states, these on the host and also given by
+        their past's name. Made once for each width (a speculative step's width changes step by step), later steps
+        write into them."""
         if rows != self.rows:
             self.rows, self.sized = rows, {}
         if width not in self.sized:
-            arrays = {
-                INPUT_IDS: np.empty((rows, width), dtype=np.int64),
-                CACHE_POSITION: np.empty(width, dtype=np.int64),
-                LOGITS: np.empty((rows, width, self.artifact.vocab_size), dtype=np.float32),
-            }
-            on_device = {name: arrays[name] for name in (*self.inputs, LOGITS)}
-            sized = {name: (array, ort.OrtValue.ortvalue_from_numpy(array, self.cache.device, 0))
-                     for name, array in on_device.items()}  # fmt: skip
+            shapes = {INPUT_IDS: ((rows, width), np.int64), CACHE_POSITION: ((width,), np.int64),
+                      LOGITS: ((rows, width, self.artifact.vocab_size), np.float32)}  # fmt: skip
+            io = {}
+            for name in (*self.inputs, LOGITS):
+                array = np.empty(*shapes[name])
+                io[name] = (array, ort.OrtValue.ortvalue_from_numpy(array, self.cache.device, 0))
+            states = {past: np.empty((rows, width, size), dtype=np.float32) for past, size in self.state_widths.items()}
             for past, name in self.state_outputs.items():  # read on the host, where a row keeps fewer tokens
-                states = np.empty((rows, width, self.state_widths[past]), dtype=np.float32)
-                sized[name] = (states, ort.OrtValue.ortvalue_from_numpy(states))
-            self.sized[width] = sized
+                io[name] = (states[past], ort.OrtValue.ortvalue_from_numpy(states[past]))
+            self.sized[width] = io, states
         return self.sized[width]
 
     def _bind(self, binding: ort.IOBinding, io: dict[str, tuple[np.ndarray, ort.OrtValue]]) -> None:
@@ -87,7 +86,7 @@ class DecodeStep:
         rows = len(tokens)
         width, slot, mask = self.cache.prepare_step(rows, tokens.shape[1])
         fresh = rows != self.rows
-        io = self._buffers(rows, width)
+        io, states = self._buffers(rows, width)
         turn = self.steps % 2
         binding, following = self.bindings[turn], self.bindings[1 - turn]
         # Fresh, both bindings: the logits then come before the cache's outputs, whose order a fed-back cache reads
@@ -107,7 +106,6 @@ class DecodeStep:
         binding.bind_cpu_input(ATTENTION_MASK, mask)
         self.run(binding)
         self.steps += 1
-        states = {past: io[name][0] for past, name in self.state_outputs.items()}
         self.cache.advance(binding.get_outputs() if self.cache.feeds_back else None, width, states)
         host, device = io[LOGITS]
         return host if on_host else device.numpy()

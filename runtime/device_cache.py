@@ -385,7 +385,7 @@ class DeviceCache:
         """Make this step's presents the next step's pasts (`outputs`: logits, then one per pair, in binding
         order; needed only when `feeds_back`; `prepare_step` counted the `width` tokens filled); `states`: each
         shift state's values after each token, where the graph gives them (see `keep`)."""
-        self.token_states = states or {}
+        self.token_states = {} if states is None else states
         for index, past, _ in self.fed_back:
             self.past[past] = outputs[1 + index]
         for past in self.swapped:

@@ -17,8 +17,9 @@ With speculative decoding a step writes several slots of every row (a token and 
 keep different counts of them: the slots a row does not keep become holes, masked out with their gates zero,
 which leaves the row exact (a hole is no position for RoPE, and adds nothing to the gate sums across it), until
 the rows are moved to the front, holes squeezed out. A model that shifts tokens holds the state after a step's
-last token only, so a row that keeps fewer goes back to the state before the step, all its slots holes, and its
-next step feeds the kept tokens again (`keep`). The latest slots that every running row left as holes (a lone row's
+last token only: a row that keeps fewer takes the state after its last kept token where the graph gives each
+token's (a fused graph), else goes back to the state before the step, all its slots holes, and its next step feeds
+the kept tokens again (`keep`). The latest slots that every running row left as holes (a lone row's
 rejected drafts) go back to the clock at once (`trim`): later steps neither read them nor lose their room.
 """
 
@@ -95,7 +96,7 @@ class RowCache:
     ) -> None:  # fmt: skip
         """After a decode step of `width` tokens a row: the clock moves on, and the spares hold the shift states now
         (`states`: their values after each token, where the graph gives them; see `keep`)."""
-        self.clock, self.token_states = self.clock + width, states or {}
+        self.clock, self.token_states = self.clock + width, {} if states is None else states
         for past, _ in self.shifted:
             self.buffers[past], self.spare[past] = self.spare[past], self.buffers[past]
 

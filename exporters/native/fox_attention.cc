@@ -40,8 +40,9 @@
 // Outputs: 0 output [B, S, H*D]; 1 present_key, 2 present_value [B, K, P, D]; 3 present_gate [B, H, P], where
 //   P = max(L, W - min(window_starts)); optional 4 present_key_shift, 5 present_value_shift [B, K*D] (the last new
 //   token's r; [B, 0] without a shift); optional 6 key_shift_states, 7 value_shift_states [B, S, K*D] (each new
-//   token's r: the state after it, where a speculative run keeps only its first tokens). A present bound to its past's buffer is written in place; otherwise the past
-//   is copied into it first and its slots after the past are zero.
+//   token's r: the state after it, where a speculative run keeps only its first tokens). A present bound to its
+//   past's buffer is written in place; otherwise the past is copied into it first and its slots after the past are
+//   zero.
 //
 // Threads: onnxruntime's intra-op pool, across rows, heads and blocks of queries, and across blocks of keys
 // for a decode step's long window (split-K), whose partial softmaxes are then merged.
@@ -287,7 +288,8 @@ inline Vec8 lane_sums(const Vec8 (&a)[8]) {
   for (int k = 0; k < 2; ++k)  // lane 4h + e: a[4k + e]'s lanes 4h to 4h + 3 (h < 2, e < 4)
     quads[k] = SHUFFLE8(pairs[2 * k], pairs[2 * k + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
                SHUFFLE8(pairs[2 * k], pairs[2 * k + 1], 2, 3, 10, 11, 6, 7, 14, 15);
-  return SHUFFLE8(quads[0], quads[1], 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLE8(quads[0], quads[1], 4, 5, 6, 7, 12, 13, 14, 15);
+  return SHUFFLE8(quads[0], quads[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+         SHUFFLE8(quads[0], quads[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
 // The largest of `count` floats (-inf for none), eight lanes at a time: the compiler makes a chain of scalar
@@ -672,10 +674,10 @@ struct FoxAttentionKernel {
     p.keys = present_key.GetTensorMutableData<float>();
     p.values = present_value.GetTensorMutableData<float>();
     p.gates = present_gate.GetTensorMutableData<float>();
-    p.next_key_shift = shift_state(context, 4, p.key_shift_logits != nullptr, p);
-    p.next_value_shift = shift_state(context, 5, p.value_shift_logits != nullptr, p);
-    p.key_shift_states = token_states(context, 6, p.key_shift_logits != nullptr, p);
-    p.value_shift_states = token_states(context, 7, p.value_shift_logits != nullptr, p);
+    p.next_key_shift = shift_state(context, 4, p.key_shift_logits != nullptr, false, p);
+    p.next_value_shift = shift_state(context, 5, p.value_shift_logits != nullptr, false, p);
+    p.key_shift_states = shift_state(context, 6, p.key_shift_logits != nullptr, true, p);
+    p.value_shift_states = shift_state(context, 7, p.value_shift_logits != nullptr, true, p);
     if ((p.key_shift_logits != nullptr && p.next_key_shift == nullptr) ||
         (p.value_shift_logits != nullptr && p.next_value_shift == nullptr))
       return fail("a token shift needs its present state among the outputs");
@@ -741,18 +743,14 @@ struct FoxAttentionKernel {
     return nullptr;
   }
 
-  // Output 4 or 5, where the node has it: a token shift's state after the step, [B, K*D] (null and [B, 0] unshifted)
-  float* shift_state(Ort::KernelContext& context, size_t index, bool shifted, const Problem& p) const {
+  // A token shift's state output, where the node has it: 4 or 5 after the step [B, K*D], 6 or 7 after each new token
+  // [B, S, K*D] (`per_token`); null, and its last axis 0, where the model does not shift that projection
+  float* shift_state(Ort::KernelContext& context, size_t index, bool shifted, bool per_token, const Problem& p) const {
     if (context.GetOutputCount() <= index) return nullptr;
-    auto state = context.GetOutput(index, {p.batch, shifted ? kv_heads * p.dim : 0});
+    const int64_t width = shifted ? kv_heads * p.dim : 0;
+    auto state = per_token ? context.GetOutput(index, {p.batch, p.seq, width})
+                           : context.GetOutput(index, {p.batch, width});
     return shifted ? state.GetTensorMutableData<float>() : nullptr;
-  }
-
-  // Output 6 or 7, where the node has it: each new token's shift state, [B, S, K*D] (null and [B, S, 0] unshifted)
-  float* token_states(Ort::KernelContext& context, size_t index, bool shifted, const Problem& p) const {
-    if (context.GetOutputCount() <= index) return nullptr;
-    auto states = context.GetOutput(index, {p.batch, p.seq, shifted ? kv_heads * p.dim : 0});
-    return shifted ? states.GetTensorMutableData<float>() : nullptr;
   }
 
   // Inputs 11 to 18 into the problem, their shapes checked (null where absent)
