@@ -3,13 +3,13 @@
 The presets were trained on the standard library, so their prompts here are other people's code: the first
 `--prompt-tokens` tokens of third-party modules this project installs (onnx, httpx, click, starlette). Each
 preset's default artifact (dynamic, fp32, the fused operator) continues each prompt greedily for `--new-tokens`
-tokens, batch 1, plain and with `--speculative ngram` alternating in one process, after a warm-up of each; a
-figure is the median over `--runs` of decode tokens/s, and each speculative run's tokens must be the plain run's.
-Then kvg-serve on each preset's static artifact, a server without and one with `--speculative ngram` up at once,
-taking turns at each level of `--clients` of each run: that many clients at once stream eight requests (two
-windows of `--serve-prompt-tokens` tokens of each module) of `--new-tokens` greedy tokens; a figure is the median
-of all tokens over the level's wall time. A speed-up is the median of the ratios of runs taken in turn (paired:
-this machine's speed drifts between minutes).
+tokens, batch 1, plain and with `--speculative ngram` alternating in one process (each first in turn), after a
+warm-up of each; a figure is the median over `--runs` of decode tokens/s, and each speculative run's tokens must
+be the plain run's. Then kvg-serve on each preset's static artifact, a server without and one with `--speculative
+ngram` up at once, taking turns (each first in turn) at each level of `--clients` of each run: that many clients
+at once stream eight requests (two windows of `--serve-prompt-tokens` tokens of each module) of `--new-tokens`
+greedy tokens; a figure is the median of all tokens over the level's wall time. A speed-up is the median of the
+ratios of runs taken in turn (paired: this machine's speed drifts between minutes).
 Writes results/speculative.json and the table in bench/README.md.
 """
 
@@ -51,7 +51,7 @@ def held_out_prompt(generator: Generator, module: str, tokens: int, window: int 
 def serve_levels(preset: str, prompts: list[list[int]], args: argparse.Namespace) -> dict:
     """Tokens/s through kvg-serve at each level of `--clients`, without and with prompt lookup: both servers up
     (after a warm-up run each), taking turns at each level of each run, so that a ratio compares two runs seconds
-    apart rather than minutes (this machine's speed drifts by up to 1.5x between minutes)."""
+    apart rather than minutes (this machine's speed drifts by up to 1.5x between minutes), each first in turn."""
     static = artifact(preset, "static", SERVE_LENGTH, "fused")
     levels = args.clients
     systems = {"plain": [], "speculative": ["--speculative", "ngram"]}
@@ -61,9 +61,9 @@ def serve_levels(preset: str, prompts: list[list[int]], args: argparse.Namespace
                 for system, flags in systems.items()}  # fmt: skip
         for url in urls.values():
             asyncio.run(concurrent(url, prompts, levels[0], args.new_tokens))
-        for _ in range(args.runs):
+        for run in range(args.runs):
             for level in levels:
-                for system, url in urls.items():
+                for system, url in list(urls.items())[:: 1 if run % 2 else -1]:  # first in turn: no order effect
                     level_run = asyncio.run(concurrent(url, prompts, level, args.new_tokens))
                     figures[system][level].append(level_run["tokens_per_s"])
     return {f"{level} clients": paired(figures["plain"][level], figures["speculative"][level]) for level in levels}
@@ -78,13 +78,16 @@ def paired(plain: list[float], spoken: list[float]) -> dict:
 
 
 def measure(generator: Generator, prompt: list[int], config: GenerationConfig, runs: int) -> dict:
-    """Plain and speculative runs alternating, after one of each; their medians, ratio and acceptance."""
-    speculative = replace(config, speculative=LOOKUP)
-    generator.generate([prompt], config), generator.generate([prompt], speculative)
+    """Plain and speculative runs alternating, each first in turn, after one of each; their medians, ratio and
+    acceptance."""
+    settings = {"plain": config, "speculative": replace(config, speculative=LOOKUP)}
+    for setting in settings.values():
+        generator.generate([prompt], setting)
     plain, spoken, proposed, accepted, identical = [], [], 0, 0, True
-    for _ in range(runs):
-        base = generator.generate([prompt], config)
-        result = generator.generate([prompt], speculative)
+    for run in range(runs):
+        results = {name: generator.generate([prompt], setting)
+                   for name, setting in list(settings.items())[:: 1 if run % 2 else -1]}  # fmt: skip
+        base, result = results["plain"], results["speculative"]
         plain.append(base.decode_tokens_per_s)
         spoken.append(result.decode_tokens_per_s)
         proposed, accepted = proposed + result.drafts_proposed, accepted + result.drafts_accepted
@@ -103,8 +106,8 @@ def table(results: dict) -> str:
         f"each trained preset's default artifact continues the first {settings['prompt_tokens']} tokens of a "
         f"third-party module greedily for {settings['new_tokens']} tokens, batch 1, {settings['threads']} threads, "
         f"plain and `--speculative ngram` ({LOOKUP.tokens} drafts, {LOOKUP.min_ngram}- to {LOOKUP.ngram}-grams) "
-        f"alternating; decode tokens/s, medians of {settings['runs']} runs, the speed-up the median of each pair's "
-        "ratio; \"same tokens\": every speculative run's tokens were the plain run's.",
+        f"alternating, each first in turn; decode tokens/s, medians of {settings['runs']} runs, the speed-up the "
+        "median of each pair's ratio; \"same tokens\": every speculative run's tokens were the plain run's.",
         "",
         "| preset | module | plain tok/s | prompt lookup tok/s | speed-up (range) | drafts accepted | same tokens |",
         "|---|---|---:|---:|---:|---:|---|",
@@ -122,8 +125,8 @@ def table(results: dict) -> str:
         f"Through kvg-serve (the static artifact of {SERVE_LENGTH} slots, `--max-batch {max(settings['clients'])}`,"
         f" speculating while at most {SPECULATIVE_MAX_ROWS} requests run): eight requests of "
         f"{settings['serve_prompt_tokens']} prompt tokens and {settings['new_tokens']} new ones, all tokens over the "
-        "level's wall time; both servers up, taking turns at each level; medians of the runs, the speed-up the "
-        "median of each turn's ratio:",
+        "level's wall time; both servers up, taking turns at each level, each first in turn; medians of the runs, "
+        "the speed-up the median of each turn's ratio:",
         "",
         "| preset | clients | plain tok/s | prompt lookup tok/s | speed-up (range) |",
         "|---|---:|---:|---:|---:|",

@@ -11,7 +11,7 @@ from test_chunked_prefill import assert_float32_close
 from runtime import cli
 from runtime.artifact import ArtifactError, SessionOptions
 from runtime.generator import GenerationConfig, Generator
-from runtime.prompt_lookup import PromptLookup
+from runtime.prompt_lookup import LATEST, PromptLookup
 from runtime.sampling import SamplingConfig
 
 CPU = SessionOptions(provider="cpu")
@@ -82,19 +82,30 @@ def test_sampled_drafts_choose_the_tokens_a_seeded_plain_run_samples(exported):
 
 
 def naive_proposal(text: list[int], tokens: int, ngram: int, min_ngram: int) -> list[int]:
-    """What followed the latest earlier occurrence of the longest final n-gram (min_ngram <= n <= ngram) that occurred
-    before."""
-    for n in range(min(ngram, len(text)), min_ngram - 1, -1):
-        ends = [end for end in range(n, len(text)) if text[end - n : end] == text[-n:]]
-        if ends:
-            return text[ends[-1] : ends[-1] + tokens]
-    return []
+    """Of the latest LATEST earlier occurrences of the text's final min_ngram tokens, those that match the text's
+    final tokens longest (n <= ngram); then, guess by guess, the token that most of those agreeing with the guesses
+    so far went on with, a tie to the one whose occurrence is latest."""
+    shortest = [end for end in range(min_ngram, len(text)) if text[end - min_ngram : end] == text[-min_ngram:]]
+    shortest = shortest[-LATEST:]
+    for n in range(ngram, min_ngram - 1, -1):
+        followed = [end for end in shortest if end >= n and text[end - n : end] == text[-n:]]
+        if followed:
+            break
+    guesses = []
+    while len(guesses) < tokens:
+        agreeing = [end for end in followed if end + len(guesses) < len(text) and text[end:][: len(guesses)] == guesses]
+        if not agreeing:
+            return guesses
+        went_on = [text[end + len(guesses)] for end in agreeing]
+        most = max(went_on.count(token) for token in went_on)
+        guesses.append(next(token for token in reversed(went_on) if went_on.count(token) == most))
+    return guesses
 
 
-@pytest.mark.parametrize(("min_ngram", "ngram"), [(1, 1), (1, 2), (2, 3), (3, 3)])
-def test_prompt_lookup_proposes_what_followed_the_latest_earlier_occurrence(min_ngram, ngram):
+@pytest.mark.parametrize(("min_ngram", "ngram"), [(1, 1), (1, 2), (2, 3), (3, 3), (2, 8)])
+def test_prompt_lookup_proposes_what_most_of_the_longest_matches_went_on_with(min_ngram, ngram):
     rng = np.random.default_rng(ngram)
-    text = rng.integers(0, 4, 300).tolist()  # a small vocabulary: n-grams recur at every length
+    text = rng.integers(0, 4, 400).tolist()  # a small vocabulary: n-grams recur at every length, 1-grams past LATEST
     lookup = PromptLookup(tokens=6, ngram=ngram, min_ngram=min_ngram).start(text[:1])
     proposed = []
     for length in range(2, len(text) + 1):
