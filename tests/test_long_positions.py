@@ -37,8 +37,9 @@ def extreme_gates(tmp_path_factory):
     folder = tmp_path_factory.mktemp("extreme-gates")
     model.save_pretrained(folder / "checkpoint")
     result = export_artifact(
-        ExportOptions(str(folder / "checkpoint"), folder / "artifact", "static", max_cache_len=SLOTS)
-    )
+        ExportOptions(str(folder / "checkpoint"), folder / "artifact", "static", max_cache_len=SLOTS,
+                      separate_process=False)  # quicker; tests/test_isolated.py covers the export's own process
+    )  # fmt: skip
     return model, result.path
 
 
