@@ -105,7 +105,7 @@ def naive_proposal(text: list[int], tokens: int, ngram: int, min_ngram: int) -> 
 @pytest.mark.parametrize(("min_ngram", "ngram"), [(1, 1), (1, 2), (2, 3), (3, 3), (2, 8)])
 def test_prompt_lookup_proposes_what_most_of_the_longest_matches_went_on_with(min_ngram, ngram):
     rng = np.random.default_rng(ngram)
-    text = rng.integers(0, 4, 400).tolist()  # a small vocabulary: n-grams recur at every length, 1-grams past LATEST
+    text = rng.integers(0, 4, 400).tolist()  # a small vocabulary: n-grams of every length recur, short ones past LATEST
     lookup = PromptLookup(tokens=6, ngram=ngram, min_ngram=min_ngram).start(text[:1])
     proposed = []
     for length in range(2, len(text) + 1):
