@@ -120,10 +120,12 @@ def table(results: dict) -> str:
             f"{statistics.median(row['speculative_tokens_per_s']):.0f} | {row['ratio']:.2f}x ({low:.2f} to "
             f"{high:.2f}) | {rate} | {'yes' if row['identical_tokens'] else 'NO'} |"
         )
+    limit = SPECULATIVE_MAX_ROWS
+    speculating = "every running request speculating" if limit is None else f"speculating while {limit} or fewer run"
     lines += [
         "",
-        f"Through kvg-serve (the static artifact of {SERVE_LENGTH} slots, `--max-batch {max(settings['clients'])}`,"
-        f" speculating while at most {SPECULATIVE_MAX_ROWS} requests run): eight requests of "
+        f"Through kvg-serve (the static artifact of {SERVE_LENGTH} slots, `--max-batch {max(settings['clients'])}`, "
+        f"{speculating}): eight requests of "
         f"{settings['serve_prompt_tokens']} prompt tokens and {settings['new_tokens']} new ones, all tokens over the "
         "level's wall time; both servers up, taking turns at each level, each first in turn; medians of the runs, "
         "the speed-up the median of each turn's ratio:",

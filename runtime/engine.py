@@ -61,7 +61,7 @@ class Failed:
 
 Event = Prompt | Token | Finished | Failed
 NO_DRAFTS = np.zeros((1, 0), dtype=np.int64)
-SPECULATIVE_MAX_ROWS = 1  # bench/README.md: speculative decoding (two rows measured slower with it than without)
+SPECULATIVE_MAX_ROWS = None  # every running row speculates, as vLLM's default (bench/README.md: speculative decoding)
 PREFILL_BUDGET = 64  # prompt tokens prefilled between two decode steps, by default (bench/README.md: serving)
 PREFIX_CACHE_MB = 256  # kvg-serve's memory for recent prompts' prefixes, by default
 
@@ -139,15 +139,16 @@ class Engine:
     def __init__(
         self, generator: Generator, max_batch: int, max_queue: int = 64, timeout_s: float | None = None,
         prefill_budget: int = PREFILL_BUDGET, prefix_cache_bytes: int = 0, speculative: Proposer | None = None,
-        speculative_max_rows: int = SPECULATIVE_MAX_ROWS,
+        speculative_max_rows: int | None = SPECULATIVE_MAX_ROWS,
     ):  # fmt: skip
         """`prefill_budget`: prompt tokens prefilled between two decode steps (a waiting request's prompt is
         prefilled in chunks of at most that many, so the running rows wait at most one chunk a step);
         `prefix_cache_bytes`: the memory recent prompts' prefixes may keep (0: none; runtime/prefix_cache.py);
         `speculative`: how a request that names none guesses the tokens a step verifies (None: it does not);
         `speculative_max_rows`: the most rows running for a step to verify drafts (vLLM's
-        speculative_disable_by_batch_size): a batch reads the weights once for every row already, so a wide
-        step's extra tokens cost more than they save once a few rows run."""
+        speculative_disable_by_batch_size; None: any number): a batch reads the weights once for every row
+        already, so where a model's step is the weights' reading, a wide step's extra tokens can cost more than
+        they save once a few rows run."""
         check_servable(generator.artifact.folder, generator.artifact.manifest, max_batch)
         if prefill_budget < 1:
             raise ArtifactError(f"the prefill budget must be at least 1 token a step, got {prefill_budget}")
@@ -387,7 +388,8 @@ class Engine:
         `speculative_max_rows` run); free rows among them (and a row being prefilled) are fed padding and ignored."""
         self._drop_cancelled()
         running = [(index, row) for index, row in enumerate(self.rows) if row is not None]
-        speculating = self.filling is None and len(running) <= self.speculative_max_rows
+        limit = self.speculative_max_rows
+        speculating = self.filling is None and (limit is None or len(running) <= limit)
         widest = max((len(row.pending) + row.search.budget for _, row in running), default=1)
         for index, error in self.cache.before_step(widest if speculating else 1):  # a row the cache has no room for
             request = self.rows[index].request

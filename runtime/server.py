@@ -244,7 +244,7 @@ class ServeOptions:
     draft_tokens: int | None = None  # the most drafts a step verifies (None: the proposer's default)
     lookup_ngram: int = PromptLookup.ngram
     lookup_min_ngram: int = PromptLookup.min_ngram
-    speculative_max_rows: int = SPECULATIVE_MAX_ROWS  # the most rows running for a step to verify drafts
+    speculative_max_rows: int | None = SPECULATIVE_MAX_ROWS  # the most rows running for a step to verify drafts
 
     @property
     def name(self) -> str:
@@ -262,7 +262,7 @@ class ServeOptions:
             raise ArtifactError("--shutdown-grace must be >= 0 seconds")
         if self.speculative is not None:
             check_choice(self.speculative)
-        if self.speculative_max_rows < 0:
+        if self.speculative_max_rows is not None and self.speculative_max_rows < 0:
             raise ArtifactError("--speculative-max-rows must be >= 0")
         folder = Path(self.artifact)
         check_servable(folder, read_manifest(folder), self.max_batch)

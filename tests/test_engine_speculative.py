@@ -58,9 +58,7 @@ def test_kvg_serve_speculates_for_every_request_and_reports_the_acceptance_in_it
     prompts = [[5, 6, 7, 8] * 3, [9, 10, 11] * 4, [12, 13] * 5, [14, 15, 16, 17, 18] * 2]
     config = GenerationConfig(40, 40)
     expected = [generator.generate([prompt], config).tokens[0] for prompt in prompts]
-    with serving(
-        generator, max_batch=3, engine_options={"speculative": PromptLookup(tokens=4), "speculative_max_rows": 3}
-    ) as (url, engine):
+    with serving(generator, max_batch=3, engine_options={"speculative": PromptLookup(tokens=4)}) as (url, engine):
         with ThreadPoolExecutor(len(prompts)) as pool:
             answers = list(pool.map(lambda prompt: complete(url, prompt), prompts))
         metrics = httpx.get(f"{url}/metrics").text
@@ -68,6 +66,20 @@ def test_kvg_serve_speculates_for_every_request_and_reports_the_acceptance_in_it
     proposed, accepted = (metric(metrics, f"kvg_speculative_drafts_{name}") for name in ("proposed", "accepted"))
     assert (proposed, accepted) == (engine.drafts_proposed, engine.drafts_accepted) and 0 < accepted < proposed
     assert metric(metrics, "kvg_speculative_acceptance_rate") == pytest.approx(accepted / proposed)
+
+
+def test_no_step_verifies_drafts_while_more_requests_run_than_speculative_max_rows(exported):
+    """speculative_max_rows 0: requests whose drafts would all be right are served a token a step, the same tokens."""
+    generator = Generator.open(exported("fox-tiny", "static")[0].path, CPU)
+    prompts, config = [[5, 6, 7, 8], [9, 10, 11]], GenerationConfig(20, 20)
+    expected = [generator.generate([prompt], config).tokens[0] for prompt in prompts]
+    drafts = Scripted.of(prompts, expected, lambda row, position: True, generator.artifact.vocab_size)
+    engine, got = Engine(generator, 2, speculative=drafts, speculative_max_rows=0), Collector(2)
+    for index, prompt in enumerate(prompts):
+        engine.submit(prompt, config, got.emit(index))
+    got.wait(len(prompts))
+    engine.close()
+    assert [got.tokens[i] for i in range(len(prompts))] == expected and engine.drafts_proposed == 0
 
 
 def complete(url: str, prompt: list[int]) -> list[int]:
