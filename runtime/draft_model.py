@@ -30,6 +30,7 @@ class DraftModel:
 
     generator: Generator
     tokens: int = 5
+    rows = 1  # its guesses take a run a row: beside other rows, more than they save (the engine's default)
 
     def __post_init__(self) -> None:
         if self.tokens < 1:

@@ -14,6 +14,7 @@ with its own Sampler, so its tokens are those it gets alone.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -61,7 +62,7 @@ class Failed:
 
 Event = Prompt | Token | Finished | Failed
 NO_DRAFTS = np.zeros((1, 0), dtype=np.int64)
-SPECULATIVE_MAX_ROWS = None  # every running row speculates, as vLLM's default (bench/README.md: speculative decoding)
+SPECULATIVE_MAX_ROWS = None  # each proposer's own `rows` (bench/README.md: speculative decoding)
 PREFILL_BUDGET = 64  # prompt tokens prefilled between two decode steps, by default (bench/README.md: serving)
 PREFIX_CACHE_MB = 256  # kvg-serve's memory for recent prompts' prefixes, by default
 
@@ -146,9 +147,10 @@ class Engine:
         `prefix_cache_bytes`: the memory recent prompts' prefixes may keep (0: none; runtime/prefix_cache.py);
         `speculative`: how a request that names none guesses the tokens a step verifies (None: it does not);
         `speculative_max_rows`: the most rows running for a step to verify drafts (vLLM's
-        speculative_disable_by_batch_size; None: any number): a batch reads the weights once for every row
-        already, so where a model's step is the weights' reading, a wide step's extra tokens can cost more than
-        they save once a few rows run."""
+        speculative_disable_by_batch_size; None: the running requests' proposers' own `rows`, any number for
+        prompt lookup and one for a draft model, which guesses a run a row): a batch reads the weights once for
+        every row already, so where a model's step is the weights' reading, a wide step's extra tokens can cost
+        more than they save once a few rows run."""
         check_servable(generator.artifact.folder, generator.artifact.manifest, max_batch)
         if prefill_budget < 1:
             raise ArtifactError(f"the prefill budget must be at least 1 token a step, got {prefill_budget}")
@@ -388,8 +390,7 @@ class Engine:
         `speculative_max_rows` run); free rows among them (and a row being prefilled) are fed padding and ignored."""
         self._drop_cancelled()
         running = [(index, row) for index, row in enumerate(self.rows) if row is not None]
-        limit = self.speculative_max_rows
-        speculating = self.filling is None and (limit is None or len(running) <= limit)
+        speculating = self.filling is None and len(running) <= self._speculation_limit(running)
         widest = max((len(row.pending) + row.search.budget for _, row in running), default=1)
         for index, error in self.cache.before_step(widest if speculating else 1):  # a row the cache has no room for
             request = self.rows[index].request
@@ -414,6 +415,14 @@ class Engine:
             self._take(index, logits[index], tokens, width)
         if width > 1:
             self.cache.trim()
+
+    def _speculation_limit(self, running: list[tuple[int, _Row]]) -> float:
+        """The most rows running for a step to verify drafts: speculative_max_rows, else the least `rows` of the
+        running requests' proposers."""
+        if self.speculative_max_rows is not None:
+            return self.speculative_max_rows
+        proposers = (row.request.config.speculative for _, row in running)
+        return min((proposer.rows for proposer in proposers if proposer is not None), default=math.inf)
 
     @staticmethod
     def _drafts(row: _Row, room: int) -> list[int]:

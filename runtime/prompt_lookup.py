@@ -16,6 +16,7 @@ and 1.59; a file's drafts 54-98% right (were 49-98%). Replayed, a match of one t
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 LATEST = 16  # occurrences of the final min_ngram tokens a guess looks at (replayed: 8 to 64 guessed alike)
@@ -29,6 +30,7 @@ class PromptLookup:
     tokens: int = 8
     ngram: int = 8
     min_ngram: int = 2
+    rows = math.inf  # guesses cost no run, so every running row may guess (the engine's default)
 
     def __post_init__(self) -> None:
         """Refuse settings that guess nothing, as they are given."""

@@ -32,6 +32,7 @@ class Proposer(Protocol):
     """How a request's tokens are guessed (PromptLookup, DraftModel)."""
 
     tokens: int  # the most guesses a run verifies
+    rows: float  # the most running rows beside which its guesses pay (the engine's default speculative_max_rows)
 
     def check(self, target, prompts: list[list[int]], config: GenerationConfig) -> None: ...  # raises if it cannot
 

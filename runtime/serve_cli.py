@@ -45,7 +45,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "prefilled from there (0: off; default: %(default)s)",
     )  # fmt: skip
     add_speculative_arguments(parser)
-    speculating = "with --speculative, the most requests running for a step to verify drafts (default: any number)"
+    speculating = (
+        "with --speculative, the most requests running for a step to verify drafts (default: any number with ngram, 1 "
+        "with a draft model, which guesses a run a request)"
+    )
     parser.add_argument("--speculative-max-rows", type=int, default=SPECULATIVE_MAX_ROWS, help=speculating)
     parser.add_argument(
         "--shutdown-grace", type=float, default=DEFAULT_GRACE_S, metavar="SECONDS",

@@ -3,6 +3,7 @@ wrong as a test says, so a test decides what is accepted where (runtime/prompt_l
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ class Scripted:
     right: Callable[[int, int], bool]
     vocab: int
     tokens: int = DRAFTS  # the most a run verifies, as PromptLookup.tokens
+    rows: float = math.inf  # as PromptLookup.rows
 
     @classmethod
     def of(cls, prompts: list[list[int]], truth: list[list[int]], right: Callable[[int, int], bool], vocab: int):

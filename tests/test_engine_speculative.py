@@ -3,6 +3,7 @@
 and each request still gets the tokens it gets alone, as requests join and leave and the rows are compacted; through
 kvg-serve too, which reports the drafts accepted in /metrics."""
 
+import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -68,13 +69,16 @@ def test_kvg_serve_speculates_for_every_request_and_reports_the_acceptance_in_it
     assert metric(metrics, "kvg_speculative_acceptance_rate") == pytest.approx(accepted / proposed)
 
 
-def test_no_step_verifies_drafts_while_more_requests_run_than_speculative_max_rows(exported):
-    """speculative_max_rows 0: requests whose drafts would all be right are served a token a step, the same tokens."""
+@pytest.mark.parametrize(("engine_rows", "proposer_rows"), [(0, math.inf), (None, 0)])
+def test_no_step_verifies_drafts_while_more_requests_run_than_the_limit(exported, engine_rows, proposer_rows):
+    """A limit of 0, the engine's or (by default) the proposer's own: requests whose drafts would all be right are
+    served a token a step, the same tokens."""
     generator = Generator.open(exported("fox-tiny", "static")[0].path, CPU)
     prompts, config = [[5, 6, 7, 8], [9, 10, 11]], GenerationConfig(20, 20)
     expected = [generator.generate([prompt], config).tokens[0] for prompt in prompts]
     drafts = Scripted.of(prompts, expected, lambda row, position: True, generator.artifact.vocab_size)
-    engine, got = Engine(generator, 2, speculative=drafts, speculative_max_rows=0), Collector(2)
+    drafts = replace(drafts, rows=proposer_rows)
+    engine, got = Engine(generator, 2, speculative=drafts, speculative_max_rows=engine_rows), Collector(2)
     for index, prompt in enumerate(prompts):
         engine.submit(prompt, config, got.emit(index))
     got.wait(len(prompts))
