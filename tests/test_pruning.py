@@ -41,7 +41,7 @@ def forgetting(preset: str, biases=FORGETTING, layers=None):
     return model
 
 
-def exported(options: ExportOptions) -> Path:
+def export_here(options: ExportOptions) -> Path:
     """The artifact `options` make, exported in this process: quicker (tests/test_isolated.py covers the export's
     own process)."""
     options.separate_process = False
@@ -63,7 +63,7 @@ def artifacts(tmp_path_factory):
             static.log_pruning_tolerance = TOLERANCE
             dynamic = ExportOptions(checkpoint, folder / "dynamic", "dynamic", log_pruning_tolerance=TOLERANCE)
             exact = ExportOptions(checkpoint, folder / "exact", "dynamic", log_pruning_tolerance=None)
-            made[preset] = (model, *(exported(o) for o in (static, dynamic, exact)))
+            made[preset] = (model, *(export_here(o) for o in (static, dynamic, exact)))
         return made[preset]
 
     return export
@@ -159,7 +159,7 @@ def test_speculative_decoding_through_a_pruned_artifact_generates_the_exact_toke
         model.save_pretrained(tmp_path / "checkpoint")
         options = ExportOptions(str(tmp_path / "checkpoint"), tmp_path / "gqa", "static", max_cache_len=SLOTS)
         options.attention, options.log_pruning_tolerance = attention, TOLERANCE
-        static, dynamic = exported(options), None
+        static, dynamic = export_here(options), None
     config = GenerationConfig(max_new_tokens=NEW, min_new_tokens=NEW)
     for folder, batch in ((static, 1), (dynamic, 2)) if dynamic else ((static, 1),):
         rows = prompts(model.config.vocab_size, batch)
@@ -259,7 +259,7 @@ def test_static_artifacts_of_other_attention_graphs_prune_too(artifacts, tmp_pat
     model.save_pretrained(tmp_path / "checkpoint")
     options = ExportOptions(str(tmp_path / "checkpoint"), tmp_path / attention, "static", max_cache_len=SLOTS)
     options.attention, options.log_pruning_tolerance = attention, TOLERANCE
-    generator = Generator.open(exported(options), CPU)
+    generator = Generator.open(export_here(options), CPU)
     row, config = prompts(model.config.vocab_size), GenerationConfig(max_new_tokens=NEW, min_new_tokens=NEW)
     result = generator.generate(row, config, keep_logits=True)
     expected = Generator.open(exact, CPU).generate(row, config, keep_logits=True)
@@ -332,7 +332,7 @@ def unforgetting(tmp_path_factory):
     forgetting("fox-pro-tiny", [-200.0, -4.0, -2.0, 30.0]).save_pretrained(folder / "checkpoint")
     options = ExportOptions(str(folder / "checkpoint"), folder / "static", "static", max_cache_len=SLOTS)
     options.log_pruning_tolerance = TOLERANCE
-    return exported(options)
+    return export_here(options)
 
 
 def test_a_served_request_whose_head_keeps_more_than_the_slots_fails_naming_it(unforgetting):
@@ -350,7 +350,7 @@ def parting(tmp_path_factory):
     model = forgetting("fox-pro-tiny", layers=[[*FORGETTING[:3], 3.0], [3.0] * 4])
     model.save_pretrained(folder / "checkpoint")
     options = ExportOptions(str(folder / "checkpoint"), folder / "dynamic", log_pruning_tolerance=TOLERANCE)
-    return model, exported(options)
+    return model, export_here(options)
 
 
 @pytest.mark.parametrize("prefill_chunk", [256, 32], ids=["one-chunk", "chunks"])
