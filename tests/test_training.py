@@ -22,6 +22,9 @@ RECIPE = dict(seed=3, seq_len=16, batch_size=2, steps=4, learning_rate=3e-3, war
               eval_every=2, eval_windows=2, checkpoint_every=2)  # fmt: skip
 CONFIG = dict(model_type="forgetting_transformer-project_fox", vocab_size=300, hidden_size=32, num_heads=2,
               num_hidden_layers=1, intermediate_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+# the LLaMA peer bench/speculative.py runs through onnxruntime-genai trains by the same loop
+LLAMA_CONFIG = dict(model_type="llama", vocab_size=300, hidden_size=32, num_attention_heads=2, num_hidden_layers=1,
+                    intermediate_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +42,9 @@ def corpus(tmp_path_factory):
     return root
 
 
-def make_preset(folder, **recipe_changes):
+def make_preset(folder, config=CONFIG, **recipe_changes):
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(CONFIG))
+    (folder / "config.json").write_text(json.dumps(config))
     (folder / "preset.json").write_text(json.dumps({"training": {**RECIPE, **recipe_changes}}))
     return folder
 
@@ -54,9 +57,11 @@ def weights(folder):
     return load_file(folder / "model.safetensors")
 
 
-def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(tmp_path, corpus):
-    preset = make_preset(tmp_path / "preset")
+@pytest.mark.parametrize("config", [CONFIG, LLAMA_CONFIG], ids=["fox", "llama"])
+def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(tmp_path, corpus, config):
+    preset = make_preset(tmp_path / "preset", config)
     straight = run(preset, tmp_path / "straight", corpus)
+    assert json.loads((straight / "config.json").read_text())["model_type"] == config["model_type"]
     assert run(preset, tmp_path / "paused", corpus, pause_after=2) is None
     assert load_checkpoint(tmp_path / "paused" / "checkpoint")[1]["step"] == 2
     resumed = run(preset, tmp_path / "paused", corpus)

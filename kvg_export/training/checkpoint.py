@@ -1,5 +1,5 @@
-"""A training checkpoint: a FoX checkpoint folder (config, safetensors weights, tokenizer) that exports and
-evaluates like any other, plus `trainer_state.pt` (optimizer, step, loss history) to resume from.
+"""A training checkpoint: a model folder (config, safetensors weights, tokenizer) that loads like any other, a
+FoX one exporting and evaluating as well, plus `trainer_state.pt` (optimizer, step, loss history) to resume from.
 
 Written whole or not at all (kvg_export.folders), so an interrupted run leaves its last complete checkpoint.
 """
@@ -11,14 +11,15 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
+import kvg_export.fox  # noqa: F401  (registers FoX with the Auto classes)
 from kvg_export.folders import written_whole
-from kvg_export.fox import FoxForCausalLM
 
 STATE_NAME = "trainer_state.pt"
 
 
-def save_model_folder(folder: Path, model: FoxForCausalLM, tokenizer: Tokenizer, preset: Path) -> None:
+def save_model_folder(folder: Path, model: PreTrainedModel, tokenizer: Tokenizer, preset: Path) -> None:
     """Weights, config and tokenizer, and the preset's generation config: a folder `load_model` takes."""
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save(str(folder / "tokenizer.json"))
@@ -27,7 +28,7 @@ def save_model_folder(folder: Path, model: FoxForCausalLM, tokenizer: Tokenizer,
 
 
 def save_checkpoint(
-    folder: Path, model: FoxForCausalLM, tokenizer: Tokenizer, preset: Path, optimizer: torch.optim.Optimizer,
+    folder: Path, model: PreTrainedModel, tokenizer: Tokenizer, preset: Path, optimizer: torch.optim.Optimizer,
     state: dict,
 ) -> None:  # fmt: skip
     with written_whole(folder) as staging:
@@ -35,8 +36,8 @@ def save_checkpoint(
         torch.save({**state, "optimizer": optimizer.state_dict()}, staging / STATE_NAME)
 
 
-def load_checkpoint(folder: Path) -> tuple[FoxForCausalLM, dict]:
+def load_checkpoint(folder: Path) -> tuple[PreTrainedModel, dict]:
     """The model (float32, train mode) and the trainer state, optimizer state dict included."""
     state = torch.load(folder / STATE_NAME, weights_only=True)
-    model = FoxForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     return model.train(), state

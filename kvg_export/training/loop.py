@@ -22,9 +22,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+import kvg_export.fox  # noqa: F401  (registers FoX with the Auto classes a preset's config.json is read by)
 from kvg_export.folders import write_whole, written_whole
-from kvg_export.fox import FoxConfig, FoxForCausalLM
 from kvg_export.training.checkpoint import STATE_NAME, load_checkpoint, save_checkpoint, save_model_folder
 from kvg_export.training.curve import plot_losses
 from kvg_export.training.data import TrainingData
@@ -34,7 +35,7 @@ EVAL_BATCH = 16
 PUBLISHED_FILES = ("model.safetensors", "tokenizer.json", "training.json", "loss_curve.png")
 
 
-def mean_loss(model: FoxForCausalLM, windows: list[np.ndarray]) -> float:
+def mean_loss(model: PreTrainedModel, windows: list[np.ndarray]) -> float:
     """Mean next-token cross-entropy in nats over every window's tokens after its first."""
     total, count = 0.0, 0
     was_training = model.training
@@ -51,7 +52,7 @@ def mean_loss(model: FoxForCausalLM, windows: list[np.ndarray]) -> float:
     return total / count
 
 
-def _optimizer(model: FoxForCausalLM, recipe: TrainingRecipe) -> torch.optim.AdamW:
+def _optimizer(model: PreTrainedModel, recipe: TrainingRecipe) -> torch.optim.AdamW:
     """Weight decay on matrices (projections, embeddings), none on norms and biases."""
     matrices = [p for p in model.parameters() if p.ndim >= 2]
     others = [p for p in model.parameters() if p.ndim < 2]
@@ -62,7 +63,7 @@ def _optimizer(model: FoxForCausalLM, recipe: TrainingRecipe) -> torch.optim.Ada
 def _start_or_resume(preset: Path, checkpoint: Path, recipe: TrainingRecipe, data: TrainingData, log):
     if not (checkpoint / STATE_NAME).is_file():
         torch.manual_seed(recipe.seed)
-        model = FoxForCausalLM(FoxConfig.from_pretrained(preset)).train()
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(preset)).train()
         state = {"step": 0, "seconds": 0.0, "train_losses": [], "validation_losses": [],
                  "recipe": recipe.to_json(), "tokenizer_sha256": data.tokenizer_sha256}  # fmt: skip
         return model, state
@@ -94,7 +95,7 @@ def train(
     """Train `preset` in `run_dir` (resuming its checkpoint if there is one) and return the finished model
     folder, or None when `pause_after` steps of this run ended it before the recipe's last step."""
     recipe = TrainingRecipe.from_preset(preset)
-    vocab_size = FoxConfig.from_pretrained(preset).vocab_size
+    vocab_size = AutoConfig.from_pretrained(preset).vocab_size
     started = time.perf_counter()
     data = TrainingData.prepare(vocab_size, corpus_root)
     sizes = ", ".join(f"{name} {len(stream):,}" for name, stream in data.streams.items())
