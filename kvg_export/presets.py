@@ -85,7 +85,7 @@ def resolve_checkpoint(model: str | os.PathLike, build: bool = True) -> Path | N
     """A local folder with config.json and weights for `model`; preset weights are built once and cached (None
     where they are not built yet and `build` is False)."""
     preset = preset_folder(model)
-    if preset is not None and _has_weights(preset):
+    if preset is not None and _has_weights(_fox_only(preset)):
         return preset  # a trained preset: a checkpoint folder as it is
     if preset is not None:
         digest = hashlib.sha256()
@@ -101,13 +101,27 @@ def resolve_checkpoint(model: str | os.PathLike, build: bool = True) -> Path | N
         return target
     folder = Path(model)
     if folder.is_dir() and (folder / "config.json").is_file() and _has_weights(folder):
-        return folder
+        return _fox_only(folder)
     if folder.is_dir():
         raise FileNotFoundError(f"{folder} is not a checkpoint folder: it needs config.json and weight files")
     raise ValueError(
         f"unknown model {str(model)!r}: not a preset ({', '.join(preset_names()) or 'none found'}) "
         "and not a local checkpoint folder"
     )
+
+
+def _fox_only(folder: Path) -> Path:
+    """`folder`, refused by name where its config.json is another architecture's (transformers would load it as
+    FoX's with a traceback deep inside)."""
+    from kvg_export.fla_format import FLA_MODEL_TYPE, OFFICIAL_MODEL_TYPE
+
+    model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    if model_type not in (OFFICIAL_MODEL_TYPE, FLA_MODEL_TYPE):
+        raise ValueError(
+            f"{folder} holds a {model_type!r} model (its config.json's model_type), not a FoX: this project takes "
+            f"FoX checkpoints, model_type {OFFICIAL_MODEL_TYPE!r} (official) or {FLA_MODEL_TYPE!r} (FLA)"
+        )
+    return folder
 
 
 def load_model(

@@ -55,6 +55,15 @@ def test_a_folder_without_weights_is_refused(tmp_path, fresh_cache):
         resolve_checkpoint(tmp_path)
 
 
+def test_a_checkpoint_of_another_architecture_is_refused_naming_it(tmp_path, fresh_cache):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"holds a 'llama' model .* not a FoX"):
+        resolve_checkpoint(tmp_path)
+    with pytest.raises(ValueError, match=r"holds a 'llama' model"):  # the benchmarks' LLaMA peer, a preset folder
+        resolve_checkpoint(MODELS_DIR.parent / "bench" / "peer-models" / "llama-py")
+
+
 def test_preset_weights_are_built_once_deterministically_and_found_by_name_or_folder(tmp_path, monkeypatch):
     built = []
     for run in ("a", "b"):

@@ -12,13 +12,15 @@ import math
 
 from transformers import PretrainedConfig
 
+from kvg_export.fla_format import OFFICIAL_MODEL_TYPE
+
 FGATE_TYPES = ("full", "bias_only", "fixed", "none")
 ACTIVATIONS = ("swish", "sigmoid")
 OGATE_ACTIVATIONS = ("sigmoid", "silu")
 
 
 class FoxConfig(PretrainedConfig):
-    model_type = "forgetting_transformer-project_fox"
+    model_type = OFFICIAL_MODEL_TYPE
     keys_to_ignore_at_inference = ["past_key_values"]
 
     def __init__(
