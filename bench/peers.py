@@ -89,15 +89,31 @@ def genai_model(model: str, precision: str, threads: int, context: int = BENCH_C
     """onnxruntime-genai's model builder output for the LLaMA of `model`'s size (for `context` positions: its
     genai_config's context_length), made once."""
     out = _models(model, context) / f"genai-{precision}"
-    if not (out / "genai_config.json").is_file():
-        hf = _llama(model, context)
-        python = _venv(BUILDER_VENV, BUILDER_PACKAGES)
-        options = {"model": {"decoder": {"session_options": {"intra_op_num_threads": threads,
-                                                             "inter_op_num_threads": 1}}}}  # fmt: skip
-        print(f"building {out.relative_to(HERE)} ...", flush=True)
-        _quietly([str(python), "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out), "-p",
-                  precision, "-e", "cpu", "-c", str(PEERS / "builder-cache"), "--runtime_config", json.dumps(options)],
-                 cwd=PEERS)  # fmt: skip
+    return out if _built(out) else _build_genai(_llama(model, context), out, precision, threads)
+
+
+def trained_genai_model(checkpoint: Path, precision: str, threads: int) -> Path:
+    """onnxruntime-genai's model builder output for a trained LLaMA checkpoint folder (bench/peer-models), made
+    once and again whenever the checkpoint's weights change."""
+    out = PEERS / checkpoint.name / f"genai-{precision}"
+    weights = checkpoint / "model.safetensors"
+    if _built(out) and (out / "genai_config.json").stat().st_mtime >= weights.stat().st_mtime:
+        return out
+    return _build_genai(checkpoint, out, precision, threads)
+
+
+def _built(out: Path) -> bool:
+    return (out / "genai_config.json").is_file()
+
+
+def _build_genai(hf: Path, out: Path, precision: str, threads: int) -> Path:
+    python = _venv(BUILDER_VENV, BUILDER_PACKAGES)
+    options = {"model": {"decoder": {"session_options": {"intra_op_num_threads": threads,
+                                                         "inter_op_num_threads": 1}}}}  # fmt: skip
+    print(f"building {out.relative_to(HERE)} ...", flush=True)
+    _quietly([str(python), "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out), "-p",
+              precision, "-e", "cpu", "-c", str(PEERS / "builder-cache"), "--runtime_config", json.dumps(options)],
+             cwd=PEERS)  # fmt: skip
     return out
 
 

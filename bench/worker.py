@@ -87,18 +87,22 @@ def generate_runner(model, options: dict):
 
 
 def genai_runner(folder: str, threads: int):
-    """onnxruntime-genai's own generator loop on its model builder's output (threads set at build time)."""
+    """onnxruntime-genai's own generator loop on its model builder's output (threads set at build time). With
+    `speculative` (genai's speculative options, e.g. prompt lookup's `ngram_size` and `max_draft_tokens`; {} for
+    none) the answer also holds the new tokens, and with options the drafts genai proposed and accepted."""
     import onnxruntime_genai as og
 
     model = og.Model(folder)
     with open(f"{folder}/genai_config.json") as config:
         vocab = json.load(config)["model"]["vocab_size"]
 
-    def run(batch: int, prompt: int, new_tokens: int, text: str | None = None) -> dict:
+    def run(batch: int, prompt: int, new_tokens: int, text: str | None = None, speculative: dict | None = None) -> dict:
         if batch != 1:
             raise ValueError("the onnxruntime-genai peer runs batch 1 only")
         params = og.GeneratorParams(model)
         params.set_search_options(max_length=prompt + new_tokens, min_length=prompt + new_tokens, do_sample=False)
+        if speculative:
+            params.set_speculative_options(**speculative)
         start = time.perf_counter()
         generator = og.Generator(model, params)
         generator.append_tokens(np.array(prompts(vocab, 1, prompt, text), dtype=np.int32))
@@ -111,7 +115,14 @@ def genai_runner(folder: str, threads: int):
         end = time.perf_counter()
         if produced != new_tokens:
             raise RuntimeError(f"onnxruntime-genai produced {produced} tokens, not {new_tokens}")
-        return {"ttft_s": first - start, "decode_tokens_per_s": (new_tokens - 1) / (end - first)}
+        answer = {"ttft_s": first - start, "decode_tokens_per_s": (new_tokens - 1) / (end - first)}
+        if speculative is not None:
+            answer["tokens"] = generator.get_sequence(0)[prompt:].tolist()
+        if speculative:
+            stats = generator.get_speculative_stats()
+            answer["drafts_proposed"], answer["drafts_accepted"] = (stats["draft_tokens_proposed"],
+                                                                    stats["draft_tokens_accepted"])  # fmt: skip
+        return answer
 
     return run
 
