@@ -96,16 +96,38 @@ class _Run:
         self.eager, self.exported, self.layout = eager, exported, layout
         self.pasts = {"eager": pasts, "program": [t.clone() for t in pasts]}
         self.logits = None
+        self.shifts = [i for i, name in enumerate(layout.present_names()) if name.endswith("shift")]
+
+    def _head(self, tokens: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
+        """The graph's leading inputs for `tokens` whose window (with the positions before them) is `mask`."""
+        stop = mask.shape[1]
+        return [tokens, mask, torch.arange(stop - tokens.shape[1], stop)] if self.layout.static else [tokens, mask]
+
+    def _earlier_states(self, tokens: torch.Tensor, mask: torch.Tensor, extra: dict) -> list[list[np.ndarray]]:
+        """For each of the run's new tokens but its last, eager's shift states after it: its present after the run's
+        tokens up to that one, from a copy of the same cache (eager gives only the last token's)."""
+        if not self.shifts:
+            return []
+        seq, stop = tokens.shape[1], mask.shape[1]
+        earlier = []
+        for count in range(1, seq):
+            pasts = [t.clone() for t in self.pasts["eager"]]  # a static cache is written in place
+            with torch.no_grad():
+                out = self.eager(*self._head(tokens[:, :count], mask[:, : stop - seq + count]), *pasts, **extra)
+            earlier.append([_host(out[1 + i]) for i in self.shifts])
+        return earlier
 
     def step(self, tokens: torch.Tensor, mask: torch.Tensor, offsets: torch.Tensor | None) -> EagerStep:
         """Feed `tokens` whose window (with the positions before them) is `mask`; `offsets`: the window_offsets
         both take (None: a graph without them)."""
-        stop = mask.shape[1]
-        head = [tokens, mask, torch.arange(stop - tokens.shape[1], stop)] if self.layout.static else [tokens, mask]
+        stop, head = mask.shape[1], self._head(tokens, mask)
         extra = {} if offsets is None else {WINDOW_OFFSETS: offsets}
+        earlier = self._earlier_states(tokens, mask, extra)
         with torch.no_grad():
             want = self.eager(*head, *self.pasts["eager"], **extra)
             got = self.exported(*head, *self.pasts["program"], **extra)
+        each_token = [np.stack([*(states[k] for states in earlier), _host(want[1 + i])], axis=1)
+                      for k, i in enumerate(self.shifts)]  # fmt: skip
         self.pasts = {"eager": list(want[1:]), "program": list(got[1:])}
         self.logits = want[0]
         return EagerStep(
@@ -115,6 +137,7 @@ class _Run:
             difference(_host(got[0]), _host(want[0])),
             [difference(_host(g), _host(w)) for g, w in zip(got[1:], want[1:], strict=True)],
             None if offsets is None else offsets.numpy().copy(),
+            each_token,
         )
 
     def greedy(self) -> torch.Tensor:

@@ -15,6 +15,9 @@ head's starting at its own offset) in other branches than one whose heads start 
 (exporters/translations.py); the runtime feeds them once pruning has dropped slots. So such a graph is also run
 with every layer's heads staggered, through each of those branches (`StaggeredRun`), on the cache the runtime
 would hold, and compared with eager given the same offsets.
+
+A fused FoX-Pro graph also outputs each new token's shift states (exporters/passes/shift_states.py), which a
+speculative run resumes from: they are compared with eager's state after each token of the step.
 """
 
 from __future__ import annotations
@@ -120,6 +123,8 @@ class EagerStep:
     program_logits: float
     program_presents: list[float]
     offsets: np.ndarray | None = None  # the window_offsets fed, where the graph takes them
+    # each new token's shift states `[batch, seq, width]`, layout.shift_state_names()'s order (FoX-Pro's token shift)
+    shift_states: list[np.ndarray] = field(default_factory=list)
 
 
 @dataclass
@@ -160,6 +165,8 @@ def validate_onnx(references: References, session, progress: Progress | None = N
     for run in references.staggered:  # as the runtime binds the buffers
         runs.append(({"onnx": list(run.pasts)}, zip(_numbered(run.branches), run.steps, strict=True)))
     keep_last = {LOGITS_TO_KEEP: np.ones(1, dtype=np.int64)}
+    graph_outputs = {output.name for output in session.get_outputs()}
+    shifts = [name for name in layout.shift_state_names() if name in graph_outputs]  # a fused FoX-Pro graph's
     progress = progress or untracked()
     progress.plan(len(references.steps) + sum(len(run.steps) for run in references.staggered), "steps validated")
     for pasts, steps in runs:
@@ -167,18 +174,19 @@ def validate_onnx(references: References, session, progress: Progress | None = N
             offsets = {} if step.offsets is None else {WINDOW_OFFSETS: step.offsets}
             outputs = {
                 system: session.run(
-                    layout.output_names(),
+                    layout.output_names() + shifts,
                     dict(zip(layout.input_names(), step.feed + past, strict=True))
                     | (keep_last if system == "onnx-last" else {})
                     | offsets,
                 )
                 for system, past in pasts.items()
             }
-            entry, eager_next, onnx_next = _compared(label, step, list(outputs.values()), layout)
+            entry, eager_next, onnx_next = _compared(label, step, list(outputs.values()), layout, shifts)
             report.steps.append(entry)
             failure = _failure(entry, step.logits[:, -1], eager_next, onnx_next, report.tolerance)
             report.failure = report.failure or failure
-            pasts = {system: _as_pasts(run[1:], pasts[system]) for system, run in outputs.items()}
+            presents = slice(1, len(layout.output_names()))
+            pasts = {system: _as_pasts(run[presents], pasts[system]) for system, run in outputs.items()}
             progress.advance()
     return report
 
@@ -188,14 +196,18 @@ def _numbered(branches: list[str]) -> list[str]:
     return [f"{branch} {branches[: index + 1].count(branch)}" for index, branch in enumerate(branches)]
 
 
-def _compared(label: str, step: EagerStep, runs: list[list[np.ndarray]], layout: CacheLayout):
-    """How far each system's outputs `runs` are from eager's in `step`, with eager's next tokens and each system's."""
+def _compared(label: str, step: EagerStep, runs: list[list[np.ndarray]], layout: CacheLayout, shifts: list[str]):
+    """How far each system's outputs `runs` are from eager's in `step` (the presents, then each new token's shift
+    states `shifts` where eager recorded them), with eager's next tokens and each system's."""
     diffs = {
         name: max(program, *(difference(_filled(run[output], want), want) for run in runs))
         for output, (name, want, program) in enumerate(
             zip(layout.present_names(), step.presents, step.program_presents, strict=True), 1
         )
     }
+    first = len(layout.output_names())
+    for output, (name, want) in enumerate(zip(shifts, step.shift_states if shifts else [], strict=True), first):
+        diffs[name] = max(difference(run[output], want) for run in runs)
     worst = max(diffs, key=diffs.get)
     eager_next, onnx_next = step.logits[:, -1].argmax(-1), [run[0][:, -1].argmax(-1) for run in runs]
     entry = StepReport(

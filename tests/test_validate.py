@@ -1,6 +1,8 @@
 """exporters/validate.py: an export is judged against eager PyTorch step by step, so a graph or run that differs
 fails, with the step and the difference named, and a faithful one passes."""
 
+import re
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -15,11 +17,18 @@ from runtime.artifact import session_options
 from runtime.contract import cache_layout
 
 
-class WrongWithLongerBuffers:
-    """An onnxruntime session whose logits are off by 0.01 when the key buffers are longer than the mask."""
+class Changed:
+    """An onnxruntime session some of whose outputs a test changes; the rest is the session's."""
 
     def __init__(self, session: ort.InferenceSession):
         self.session = session
+
+    def __getattr__(self, name):
+        return getattr(self.session, name)
+
+
+class WrongWithLongerBuffers(Changed):
+    """An onnxruntime session whose logits are off by 0.01 when the key buffers are longer than the mask."""
 
     def run(self, names, feed):
         outputs = self.session.run(names, feed)
@@ -56,12 +65,9 @@ def fox_py(exported):
     return path, session, recorded
 
 
-class PlantedError:
+class PlantedError(Changed):
     """An onnxruntime session whose logits are 0.1% too large: the error of one weight (the final norm's) off
     by 0.1%."""
-
-    def __init__(self, session: ort.InferenceSession):
-        self.session = session
 
     def run(self, names, feed):
         outputs = self.session.run(names, feed)
@@ -95,6 +101,37 @@ def test_an_artifact_whose_final_norm_weight_is_off_by_a_tenth_of_a_percent_fail
     assert not report.passed
     assert report.failure.startswith("prefill: onnxruntime logits differ by 1.0") and report.failure.endswith("> 1e-04")
     assert report.steps[0].onnx_logits == pytest.approx(1e-3, rel=0.05)  # 0.001 of each logit, over their scale
+
+
+class LastShiftStateForEach(Changed):
+    """An onnxruntime session whose per-token shift states of a run are all its last token's (what the present
+    holds): the slip a graph exposing the wrong output of the operator would make."""
+
+    def run(self, names, feed):
+        outputs = self.session.run(names, feed)
+        for index, name in enumerate(names):
+            if name.startswith("shift_states."):
+                outputs[index] = np.repeat(outputs[index][:, -1:], outputs[index].shape[1], axis=1)
+        return outputs
+
+
+@pytest.mark.skipif(CPU_FP32_ATTENTION != "fused", reason="the fused operator's library cannot be built here")
+def test_each_tokens_shift_states_of_a_fused_fox_pro_graph_are_checked_against_eager(exported):
+    """A fused FoX-Pro graph outputs every new token's shift state (for speculative runs); validation compares
+    them with eager's state after each token, so a graph whose states are all the run's last token's fails at the
+    prefill, the only step of several tokens, naming the output."""
+    path = exported("fox-pro-tiny", "dynamic", attention="fused")[0].path
+    model = load_model("fox-pro-tiny")
+    layout = cache_layout(model.config, static=False)
+    program, _ = export_program(model, layout, in_place_attention="fused")
+    session = ort.InferenceSession(str(path / "model.onnx"), session_options(path), providers=["CPUExecutionProvider"])
+    recorded = references.record(model, layout, program, None)
+    report = validate.validate_onnx(recorded, session)
+    assert report.passed
+    assert recorded.steps[0].shift_states[0].shape[1] == validate.PROMPT_LENGTH
+    changed = validate.validate_onnx(recorded, LastShiftStateForEach(session))
+    assert re.match(r"prefill: shift_states\.\d+\.(key|value)_shift differs by", changed.failure)
+    assert all(step.worst_present_diff < validate.TOLERANCES["float32"] for step in changed.steps[1:])
 
 
 def _nodes(graph: onnx.GraphProto):
