@@ -20,7 +20,8 @@ STATE_NAME = "trainer_state.pt"
 
 
 def save_model_folder(folder: Path, model: PreTrainedModel, tokenizer: Tokenizer, preset: Path) -> None:
-    """Weights, config and tokenizer, and the preset's generation config: a folder `load_model` takes."""
+    """Weights, config and tokenizer, and the preset's generation config: a model folder (a FoX one `load_model`
+    takes)."""
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save(str(folder / "tokenizer.json"))
     if (preset / "generation_config.json").is_file():
