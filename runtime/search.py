@@ -67,6 +67,7 @@ class Search:
         self.ended = np.zeros(len(prompts), dtype=bool)
         self.finished = 0  # how many rows have ended: a count each step tests more cheaply than `ended`
         self.steps = 0  # tokens chosen so far, per running row
+        self.taken: list[tuple[int, int, bool]] = []  # what the latest `record` took: (row, token, last)
         speculative = config.speculative
         self.guessers = None if speculative is None else [speculative.start(prompt, config) for prompt in prompts]
         self.matchings = None if grammar is None else [grammar.start(self.stop_ids) for _ in prompts]
@@ -108,8 +109,6 @@ class Search:
         """Take each running row's `chosen` token; returns (row, token, last) for each, `last` when the row ends
         with it (a stop token once min_new_tokens are out, or max_new_tokens)."""
         self.steps += 1
-        if self.guessers is not None:
-            self.took = ~self.ended  # the rows that take a token now, for `accepts`
         taken = []
         for row, token in enumerate(chosen.tolist()):
             if self.reasons[row] is not None:
@@ -126,6 +125,7 @@ class Search:
             elif self.steps == self.config.max_new_tokens:
                 self.end(row, "length")
             taken.append((row, token, self.reasons[row] is not None))
+        self.taken = taken
         return taken
 
     def drafts(self, room: int | None = None) -> np.ndarray:
@@ -165,7 +165,8 @@ class Search:
                 self.budget = min(self.budget + 2, self.config.speculative.tokens)
             self.latest, self.drawn_from = self.no_drafts, ()  # judged: the next choice verifies none of them
             return False
-        if not (chosen[self.took] == drafts[self.took, index]).all():
+        column = drafts[:, index].tolist()  # compared as Python ints: a row or a few, where numpy's calls cost most
+        if any(column[row] != token for row, token, _ in self.taken):
             self.budget = max(self.budget - 1, 1)
             self.latest, self.drawn_from = self.no_drafts, ()
             return False
