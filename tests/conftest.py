@@ -2,6 +2,7 @@
 
 import os
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +28,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def export_here(options: ExportOptions) -> Path:
+    """The artifact `options` make, exported in this process: quicker than in a process of its own, which
+    tests/test_isolated.py covers."""
+    options.separate_process = False
+    return export_artifact(options, log=lambda line: None).path
 
 
 @pytest.fixture(scope="session")

@@ -11,10 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import export_here
 from scipy.stats import chi2
 from test_speculative import CPU, KINDS, NEW, prompts
 
-from exporters.export import ExportOptions, export_artifact
+from exporters.export import ExportOptions
 from kvg_export.presets import load_model
 from runtime import cli
 from runtime.artifact import ArtifactError
@@ -108,14 +109,8 @@ def test_sampled_drafts_from_another_model_keep_the_targets_distribution(exporte
         model.model.norm.weight.mul_(50.0)
     model.save_pretrained(tmp_path / "checkpoint")
     shutil.copy(PRESETS / "fox-pro-tiny" / "tokenizer.json", tmp_path / "checkpoint")  # the target's tokens
-    options = ExportOptions(
-        str(tmp_path / "checkpoint"),
-        tmp_path / "sharper",
-        "dynamic",
-        log_pruning_tolerance=None,
-        separate_process=False,
-    )  # quicker; tests/test_isolated.py covers the export's own process
-    draft = DraftModel(Generator.open(export_artifact(options, log=lambda line: None).path, CPU, None), tokens=1)
+    options = ExportOptions(str(tmp_path / "checkpoint"), tmp_path / "sharper", "dynamic", log_pruning_tolerance=None)
+    draft = DraftModel(Generator.open(export_here(options), CPU, None), tokens=1)
     prompt, sampling = prompts(target.artifact.vocab_size)[0], SamplingConfig(temperature=1.0, top_k=3)
     counts = np.zeros((target.artifact.vocab_size,) * 2, dtype=np.int64)
     proposed = accepted = 0

@@ -9,8 +9,9 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
+from conftest import export_here
 
-from exporters.export import ExportOptions, export_artifact
+from exporters.export import ExportOptions
 from exporters.validate import TOLERANCES
 from kvg_export import DynamicCache
 from kvg_export.cache_layers import DynamicLayer
@@ -36,11 +37,8 @@ def extreme_gates(tmp_path_factory):
             block.attn.fgate_proj.bias.copy_(torch.tensor(GATE_BIASES))
     folder = tmp_path_factory.mktemp("extreme-gates")
     model.save_pretrained(folder / "checkpoint")
-    result = export_artifact(
-        ExportOptions(str(folder / "checkpoint"), folder / "artifact", "static", max_cache_len=SLOTS,
-                      separate_process=False)  # quicker; tests/test_isolated.py covers the export's own process
-    )  # fmt: skip
-    return model, result.path
+    return model, export_here(ExportOptions(str(folder / "checkpoint"), folder / "artifact", "static",
+                                            max_cache_len=SLOTS))  # fmt: skip
 
 
 def test_a_static_artifact_matches_eager_past_8k_positions_prefill_then_decode(extreme_gates):

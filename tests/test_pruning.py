@@ -4,15 +4,15 @@ and a pruned artifact of few slots generates what an unpruned one of many does, 
 import dataclasses
 import math
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import export_here
 from scripted_drafts import Scripted
 
 from exporters.cli import main as export_main
-from exporters.export import ExportOptions, export_artifact
+from exporters.export import ExportOptions
 from kvg_export.corpus import read_split, token_stream
 from kvg_export.fox.pruning import score_bounds
 from kvg_export.presets import load_model
@@ -39,13 +39,6 @@ def forgetting(preset: str, biases=FORGETTING, layers=None):
             bias = attention.fgate_proj.bias if attention.config.fgate_type == "full" else attention.fgate_bias
             bias.copy_(torch.tensor(layers[index] if layers else biases))
     return model
-
-
-def export_here(options: ExportOptions) -> Path:
-    """The artifact `options` make, exported in this process: quicker (tests/test_isolated.py covers the export's
-    own process)."""
-    options.separate_process = False
-    return export_artifact(options, log=lambda line: None).path
 
 
 @pytest.fixture(scope="module")
