@@ -123,7 +123,8 @@ def measure(systems: dict[str, Decode], runs: int) -> dict[str, dict]:
     """Each system's plain and speculative runs, after one of each: a plain and a speculative run of one system, then
     of the next, each system and each setting first in turn; each system's medians, ratio and acceptance."""
     for decode in systems.values():
-        decode(False), decode(True)
+        for speculative in (False, True):
+            decode(speculative)
     outcomes = {name: {False: [], True: []} for name in systems}
     for run in range(runs):
         for name, decode in in_turn(list(systems.items()), run):

@@ -167,6 +167,7 @@ def validate_onnx(references: References, session, progress: Progress | None = N
     keep_last = {LOGITS_TO_KEEP: np.ones(1, dtype=np.int64)}
     graph_outputs = {output.name for output in session.get_outputs()}
     shifts = [name for name in layout.shift_state_names() if name in graph_outputs]  # a fused FoX-Pro graph's
+    presents = slice(1, len(layout.output_names()))  # of a run's outputs, what the next step takes as its past
     progress = progress or untracked()
     progress.plan(len(references.steps) + sum(len(run.steps) for run in references.staggered), "steps validated")
     for pasts, steps in runs:
@@ -185,7 +186,6 @@ def validate_onnx(references: References, session, progress: Progress | None = N
             report.steps.append(entry)
             failure = _failure(entry, step.logits[:, -1], eager_next, onnx_next, report.tolerance)
             report.failure = report.failure or failure
-            presents = slice(1, len(layout.output_names()))
             pasts = {system: _as_pasts(run[presents], pasts[system]) for system, run in outputs.items()}
             progress.advance()
     return report

@@ -19,6 +19,8 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvg_export.fla_format import FLA_MODEL_TYPE, OFFICIAL_MODEL_TYPE, is_fla, official_config, official_state_dict
+
 if TYPE_CHECKING:
     import torch
 
@@ -113,8 +115,6 @@ def resolve_checkpoint(model: str | os.PathLike, build: bool = True) -> Path | N
 def _fox_only(folder: Path) -> Path:
     """`folder`, refused by name where its config.json is another architecture's (transformers would load it as
     FoX's with a traceback deep inside)."""
-    from kvg_export.fla_format import FLA_MODEL_TYPE, OFFICIAL_MODEL_TYPE
-
     model_type = json.loads((folder / "config.json").read_text()).get("model_type")
     if model_type not in (OFFICIAL_MODEL_TYPE, FLA_MODEL_TYPE):
         raise ValueError(
@@ -131,7 +131,6 @@ def load_model(
     mode (float32 unless `dtype` says otherwise)."""
     import torch
 
-    from kvg_export.fla_format import is_fla
     from kvg_export.fox import FoxForCausalLM
 
     folder = resolve_checkpoint(model)
@@ -148,7 +147,6 @@ def _load_fla(folder: Path, fla: dict, dtype: torch.dtype) -> FoxForCausalLM:
     from safetensors.torch import load_file
     from transformers import GenerationConfig
 
-    from kvg_export.fla_format import official_config, official_state_dict
     from kvg_export.fox import FoxConfig, FoxForCausalLM
 
     files = sorted(folder.glob("*.safetensors"))
