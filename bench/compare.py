@@ -24,11 +24,19 @@ import onnxruntime as ort
 import peers
 from run import Worker, interleaved_decode_speeds
 
+from runtime.artifact import session_options
+
+
+def graph_options(folder: str | Path) -> ort.SessionOptions:
+    """SessionOptions that open a folder's model.onnx: an artifact's with its custom-op library registered, as the
+    runtime opens it; onnxruntime-genai's (no kvg_config.json) as they are."""
+    return session_options(folder) if (Path(folder) / "kvg_config.json").is_file() else ort.SessionOptions()
+
 
 def optimized_nodes(folder: str) -> int:
     """Nodes in the graph onnxruntime runs on the CPU, after its optimizer."""
     with tempfile.TemporaryDirectory() as scratch:
-        options = ort.SessionOptions()
+        options = graph_options(folder)
         options.optimized_model_filepath = str(Path(scratch) / "optimized.onnx")
         options.log_severity_level = 3  # its warning on saving a graph with machine-specific fusions
         ort.InferenceSession(str(Path(folder) / "model.onnx"), options, providers=["CPUExecutionProvider"])

@@ -9,6 +9,7 @@ the same precision, it says how much of the gap to genai the gates account for.
 
 from __future__ import annotations
 
+import json
 import shutil
 import statistics
 import tempfile
@@ -21,8 +22,14 @@ from run import Worker, interleaved_decode_speeds
 ATTENTION_BIAS = 10  # GroupQueryAttention's input index of attention_bias
 
 
+def _fused(folder: Path) -> bool:
+    return json.loads((folder / "kvg_config.json").read_text()).get("attention") == "fused"
+
+
 def without_forget_gates(folder: Path, out: Path) -> int:
     """Write the timing-only copy of the artifact in `folder` to `out`; returns its node count."""
+    if _fused(folder):
+        raise ValueError(f"{folder} attends through the fused FoX operator, whose gates no graph rewrite can skip")
     shutil.copytree(folder, out, ignore=shutil.ignore_patterns("model.onnx*"))
     model = ir.load(folder / "model.onnx")
     ir.external_data.load_to_model(model)  # the copy is re-read below, separately from the artifact's weights file
@@ -48,16 +55,19 @@ def without_forget_gates(folder: Path, out: Path) -> int:
 
 
 def gate_cost(folder: str, genai_folder: str, genai_python: str, threads: int, rounds: int, new_tokens: int) -> dict:
-    """Decode tokens/s of genai, the artifact and its copy without gates, in interleaved rounds after a warm-up,
-    with each one's ratio to genai taken round by round."""
+    """Decode tokens/s of genai, the artifact and (a GroupQueryAttention artifact's) its copy without gates, in
+    interleaved rounds after a warm-up, with each one's ratio to genai taken round by round. A fused artifact's
+    gates are inside its attention op, which no graph rewrite can skip: it runs beside genai alone."""
     with tempfile.TemporaryDirectory() as scratch:
-        bare = Path(scratch) / "without-gates"
-        nodes = without_forget_gates(Path(folder), bare)
         workers = {
             "genai": Worker("genai", genai_folder, threads, genai_python),
             "artifact": Worker("runtime", folder, threads),
-            "without gates": Worker("runtime", str(bare), threads),
         }
+        nodes = None
+        if not _fused(Path(folder)):
+            bare = Path(scratch) / "without-gates"
+            nodes = without_forget_gates(Path(folder), bare)
+            workers["without gates"] = Worker("runtime", str(bare), threads)
         speeds = interleaved_decode_speeds(workers, rounds, new_tokens)
     return {
         "nodes_without_gates": nodes,

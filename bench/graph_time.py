@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import peers
-from compare import optimized_nodes, ratio_table
+from compare import graph_options, optimized_nodes, ratio_table
 from gate_cost import without_forget_gates
 from op_costs import bound_call
 
@@ -39,7 +39,7 @@ def bound_step(model: Path, filled: int, buffer: int, threads: int) -> tuple[Cal
     """One decode step of the graph in `model`, ready to run, and its cache buffers by input name (numpy
     arrays the step writes in place). Past axes: the batch is 1, the sequence axis (2) `buffer` unless the
     graph fixes it (a static artifact), any other named axis the head size from genai_config.json."""
-    options = ort.SessionOptions()
+    options = graph_options(model.parent)
     options.intra_op_num_threads = threads
     session = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
     config = model.parent / "genai_config.json"

@@ -1,14 +1,15 @@
 """`make profile`: where a decode step's time goes, per operator type, from onnxruntime's own profiler.
 
-For each artifact (by default the default export of fox-small and fox-mini, in fp32 and quantized to
-int4), the runtime generates twice with the profiler on (batch 1, a 128-token prompt, `--new-tokens` new
-ones); the second generation's decode runs are kept, each node event of the trace is assigned to the
-session run it falls in, and each operator type's time and node count per decode step are summed. The
-graph onnxruntime optimized and ran is saved too, and its nodes counted. The profiler times every node,
-which slows a step, so read the shares rather than the absolute times. Then, at the precisions
-onnxruntime-genai has (fp32, int4), the artifact is timed without the profiler against onnxruntime-genai
-on the same-size LLaMA and against a copy of itself without FoX's forget gates (bench/gate_cost.py), in
-interleaved rounds: what the gates cost a step (`--no-peers` leaves that out). Writes
+For each artifact (by default the default export of fox-small and fox-mini, attending through the fused
+FoX operator, in fp32 and quantized to int4; `--attention gqa` for GroupQueryAttention), the runtime
+generates twice with the profiler on (batch 1, a 128-token prompt, `--new-tokens` new ones); the second
+generation's decode runs are kept, each node event of the trace is assigned to the session run it falls in,
+and each operator type's time and node count per decode step are summed. The graph onnxruntime optimized
+and ran is saved too, and its nodes counted. The profiler times every node, which slows a step, so read the
+shares rather than the absolute times. Then, at the precisions onnxruntime-genai has (fp32, int4), the
+artifact is timed without the profiler against onnxruntime-genai on the same-size LLaMA in interleaved
+rounds, a GroupQueryAttention artifact also against a copy of itself without FoX's forget gates
+(bench/gate_cost.py): what the gates cost a step (`--no-peers` leaves that out). Writes
 results/profile.json and the tables between the profile markers of bench/README.md.
 """
 
@@ -87,11 +88,15 @@ def profile(folder: str, new_tokens: int, threads: int) -> dict:
 
 def gate_line(cost: dict) -> str:
     speed, ratio = cost["decode_tokens_per_s"], cost["vs_genai"]
-    return (
+    line = (
         f"Without the profiler, median of {cost['rounds']} interleaved rounds: {speed['artifact']:.0f} tokens/s, "
-        f"{ratio['artifact']:.2f}x onnxruntime-genai's {speed['genai']:.0f} on the same-size LLaMA; the same graph "
-        f"without its forget gates ({cost['nodes_without_gates']} nodes; timing only) {speed['without gates']:.0f}, "
-        f"{ratio['without gates']:.2f}x."
+        f"{ratio['artifact']:.2f}x onnxruntime-genai's {speed['genai']:.0f} on the same-size LLaMA"
+    )
+    if "without gates" not in speed:
+        return f"{line}."
+    return (
+        f"{line}; the same graph without its forget gates ({cost['nodes_without_gates']} nodes; timing only) "
+        f"{speed['without gates']:.0f}, {ratio['without gates']:.2f}x."
     )
 
 
@@ -123,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--quantize", nargs="+", default=["fp32", "int4"], help="fp32, int8, int4, int4-sym or int4-hqq"
     )
+    parser.add_argument("--attention", choices=("fused", "gqa"), default="fused", help="the artifacts' attention")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds timing the forget gates' cost")
     parser.add_argument("--no-peers", dest="peers", action="store_false", help="leave out the forget gates' cost")
@@ -130,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     threads = os.cpu_count()
     results = []
     for model, weights in [(model, weights) for model in args.models for weights in args.quantize]:
-        folder = artifact(model, "dynamic", None, "gqa", None if weights == "fp32" else weights)
+        folder = artifact(model, "dynamic", None, args.attention, None if weights == "fp32" else weights)
         results.append(profile(folder, args.new_tokens, threads))
         print(f"profiled {Path(folder).name}", flush=True)
         genai_precision = precision(weights)

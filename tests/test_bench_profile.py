@@ -6,6 +6,8 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import pytest
+from conftest import CPU_FP32_ATTENTION
 
 from runtime.artifact import SessionOptions
 from runtime.generator import GenerationConfig, Generator
@@ -53,10 +55,22 @@ def test_the_gate_free_copy_runs_the_contract_without_any_forget_gate_node(expor
     assert gates and all(not np.any(generator.cache.past[name].numpy()) for name in gates)  # zeros, as allocated
 
 
-def test_graph_time_runs_a_decode_step_written_into_buffers_bound_as_past_and_present(exported):
+def test_the_gate_free_copy_is_refused_for_a_fused_artifact(exported, tmp_path):
+    """The fused operator computes its gates inside: a copy that drops gate nodes would time a broken graph."""
+    if CPU_FP32_ATTENTION != "fused":
+        pytest.skip("the fused attention library cannot be built here")
+    result, _ = exported("fox-tiny", "dynamic", attention="fused")
+    with pytest.raises(ValueError, match="fused FoX operator"):
+        without_forget_gates(result.path, tmp_path / "bare")
+    assert not (tmp_path / "bare").exists()
+
+
+@pytest.mark.parametrize("attention", sorted({"gqa", CPU_FP32_ATTENTION}))
+def test_graph_time_runs_a_decode_step_written_into_buffers_bound_as_past_and_present(exported, attention):
     """bench/graph_time.py's step: the new key, value and gate land at slot `filled` of the bound buffers,
-    every other slot stays as it was, and each run rewrites the same slot (the step's shapes never change)."""
-    result, _ = exported("fox-tiny", "dynamic", attention="gqa")
+    every other slot stays as it was, and each run rewrites the same slot (the step's shapes never change).
+    A fused graph opens with its custom-op library registered, as the runtime opens it."""
+    result, _ = exported("fox-tiny", "dynamic", attention=attention)
     filled, buffer = 5, 12
     step, buffers = bound_step(result.path / "model.onnx", filled, buffer, threads=1)
     before = {name: array.copy() for name, array in buffers.items()}
