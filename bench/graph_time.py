@@ -92,7 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.without_gates:
             for folder in args.folders:
                 bare = Path(scratch) / f"{len(graphs)}"
-                without_forget_gates(Path(folder), bare)
+                try:
+                    without_forget_gates(Path(folder), bare)
+                except ValueError as error:  # a fused artifact
+                    parser.error(f"--without-gates: {error}")
                 graphs[f"{folder} without gates"] = bare / "model.onnx"
         if args.genai:
             model, precision = args.genai.split(":")
