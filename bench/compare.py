@@ -25,12 +25,13 @@ import peers
 from run import Worker, interleaved_decode_speeds
 
 from runtime.artifact import session_options
+from runtime.contract import MANIFEST_NAME
 
 
 def graph_options(folder: str | Path) -> ort.SessionOptions:
     """SessionOptions that open a folder's model.onnx: an artifact's with its custom-op library registered, as the
-    runtime opens it; onnxruntime-genai's (no kvg_config.json) as they are."""
-    return session_options(folder) if (Path(folder) / "kvg_config.json").is_file() else ort.SessionOptions()
+    runtime opens it; onnxruntime-genai's (no manifest) as they are."""
+    return session_options(folder) if (Path(folder) / MANIFEST_NAME).is_file() else ort.SessionOptions()
 
 
 def optimized_nodes(folder: str) -> int:

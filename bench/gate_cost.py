@@ -9,7 +9,6 @@ the same precision, it says how much of the gap to genai the gates account for.
 
 from __future__ import annotations
 
-import json
 import shutil
 import statistics
 import tempfile
@@ -19,11 +18,13 @@ import onnx_ir as ir
 from onnxscript.optimizer import remove_unused_nodes
 from run import Worker, interleaved_decode_speeds
 
+from runtime.artifact import attention_of, read_manifest
+
 ATTENTION_BIAS = 10  # GroupQueryAttention's input index of attention_bias
 
 
 def _fused(folder: Path) -> bool:
-    return json.loads((folder / "kvg_config.json").read_text()).get("attention") == "fused"
+    return attention_of(read_manifest(folder)) == "fused"
 
 
 def without_forget_gates(folder: Path, out: Path) -> int:

@@ -55,10 +55,9 @@ def test_the_gate_free_copy_runs_the_contract_without_any_forget_gate_node(expor
     assert gates and all(not np.any(generator.cache.past[name].numpy()) for name in gates)  # zeros, as allocated
 
 
+@pytest.mark.skipif(CPU_FP32_ATTENTION != "fused", reason="the fused operator's library cannot be built here")
 def test_the_gate_free_copy_is_refused_for_a_fused_artifact(exported, tmp_path):
     """The fused operator computes its gates inside: a copy that drops gate nodes would time a broken graph."""
-    if CPU_FP32_ATTENTION != "fused":
-        pytest.skip("the fused attention library cannot be built here")
     result, _ = exported("fox-tiny", "dynamic", attention="fused")
     with pytest.raises(ValueError, match="fused FoX operator"):
         without_forget_gates(result.path, tmp_path / "bare")
