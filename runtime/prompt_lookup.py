@@ -6,12 +6,17 @@ all in one (see `Generator._decode`). transformers' `prompt_lookup_num_tokens` a
 `tokens` and `ngram` here, and vLLM's `prompt_lookup_min` is `min_ngram`. Where transformers follows the earliest
 occurrence of the final n-gram, a guess here follows all the occurrences whose tokens before them match the text's
 longest, each next token the one most of them went on with (a tie to the latest), as SuffixDecoding chooses by
-frequency. Chosen by replaying each trained preset's greedy continuation of eight third-party modules (jinja2,
+frequency, and it is as long as the match is: `tokens` after a match of `ngram` tokens, proportionally fewer after a
+shorter one (each guess verified costs a quarter to a third of a run here, and one that follows two tokens is often
+wrong at once). Chosen by replaying each trained preset's greedy continuation of eight third-party modules (jinja2,
 requests, urllib3, fastapi, pydantic, tqdm, yaml, uvicorn) through candidate rules at the runs' measured costs,
 then measured on `make bench`'s four other modules, 15 interleaved rounds in one process: plain speed times 1.79
 (fox-py) and 1.67 (fox-pro-py), geometric means, where following the latest occurrence of a 2- to 3-gram made 1.66
 and 1.59; a file's drafts 54-98% right (were 49-98%). Replayed, a match of one token guessed poorly (min_ngram 1
-3-6% slower than 2, which 3 only matched).
+3-6% slower than 2, which 3 only matched). Replayed again (2026-12-07, prompts of 1024 and 256 tokens), guesses as
+long as their match made the tuning modules 1.3-2.7% faster than guesses of `tokens` after any match (geometric
+means by preset and prompt length), and the four bench modules 1.9-5.0%; cut by an oracle to the tokens that would
+be right, the same guesses would have been 4-5% faster again.
 """
 
 from __future__ import annotations
@@ -74,9 +79,9 @@ class Lookup:
             self.ends.setdefault(tuple(self.text[end - low : end]), []).append(end)
         self.indexed = len(self.text)
 
-    def _longest_matches(self) -> list[int]:
-        """The index after each of the latest occurrences of the final min_ngram tokens whose tokens before it match
-        the text's final ones longest (up to `ngram`), the latest first."""
+    def _longest_matches(self) -> tuple[int, list[int]]:
+        """How many final tokens match longest (up to `ngram`), and the index after each of the latest occurrences of
+        the final min_ngram tokens that match that many, the latest first."""
         text, low, high = self.text, self.settings.min_ngram, self.settings.ngram
         last, best, found = len(text) - 1, low, []
         for end in reversed(self.ends.get(tuple(text[-low:]), [])[-LATEST:]):
@@ -87,14 +92,17 @@ class Lookup:
                 best, found = n, [end]
             elif n == best:
                 found.append(end)
-        return found
+        return best, found
 
     def propose(self, most: int) -> list[int]:
-        """Up to `most` (and `tokens`) guesses: the token most of the longest matches went on with (a tie goes to
-        the latest), then the next among those that went on with it, and so on; none when nothing matched."""
+        """Up to `most` guesses, and as many of `tokens` as the match is of `ngram` (rounded up): the token most of
+        the longest matches went on with (a tie goes to the latest), then the next among those that went on with it,
+        and so on; none when nothing matched."""
         self._index()
-        text, guesses, followed = self.text, [], self._longest_matches()
-        while followed and len(guesses) < min(most, self.settings.tokens):
+        (matched, followed), settings = self._longest_matches(), self.settings
+        text, guesses = self.text, []
+        length = min(most, -(-settings.tokens * matched // settings.ngram))
+        while followed and len(guesses) < length:
             votes: dict[int, int] = {}
             for end in followed:
                 votes[text[end]] = votes.get(text[end], 0) + 1

@@ -20,7 +20,8 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--draft-tokens", type=int,
-        help=f"most guesses a run verifies (default {PromptLookup.tokens} for ngram, {DraftModel.tokens} for a draft)",
+        help=f"most guesses a run verifies (default {PromptLookup.tokens} for ngram, after a match of --lookup-ngram "
+        f"tokens, a shorter match its share; {DraftModel.tokens} for a draft)",
     )  # fmt: skip
     parser.add_argument("--lookup-ngram", type=int, default=PromptLookup.ngram, help="longest n-gram looked up")
     parser.add_argument(
