@@ -2,10 +2,12 @@
 
 The presets were trained on the standard library, so their prompts here are other people's code: the first
 `--prompt-tokens` tokens of third-party modules this project installs (onnx, httpx, click, starlette). Each
-preset's default artifact (dynamic, fp32, the fused operator) continues each prompt greedily for `--new-tokens`
+preset's default artifact (dynamic, fp32, the fused operator, pruning as its config asks: what `make export` makes)
+continues each prompt greedily for `--new-tokens`
 tokens, batch 1, plain and with `--speculative ngram` alternating in one process (each first in turn), after a
 warm-up of each; a figure is the median over `--runs` of decode tokens/s, and each speculative run's tokens must
-be the plain run's. Then kvg-serve on each preset's static artifact, a server without and one with `--speculative
+be the plain run's. Then kvg-serve on each preset's static artifact (pruning alike), a server without and one with
+`--speculative
 ngram` up at once, taking turns (each first in turn) at each level of `--clients` of each run: that many clients
 at once stream eight requests (two windows of `--serve-prompt-tokens` tokens of each module) of `--new-tokens`
 greedy tokens; a figure is the median of all tokens over the level's wall time. Last, beside onnxruntime-genai's
@@ -36,6 +38,7 @@ from report import publish
 from run import HERE, RESULTS, Worker, artifact, machine
 from serve_load import concurrent, server_flags
 
+from kvg_export.presets import preset_folder
 from runtime.artifact import SessionOptions
 from runtime.generator import GenerationConfig, Generator
 from runtime.prompt_lookup import PromptLookup
@@ -54,6 +57,11 @@ PEER_CHECKPOINT = HERE / "peer-models" / "llama-py"  # the LLaMA of fox-py's dim
 GENAI_LOOKUP = {"ngram_size": 4, "max_draft_tokens": 16}
 
 
+def exported_tolerance(preset: str) -> float | None:
+    """The log pruning tolerance `make export` prunes the preset at: its config's (None: none)."""
+    return json.loads((preset_folder(preset) / "config.json").read_text()).get("log_pruning_tolerance")
+
+
 def held_out_prompt(generator: Generator, module: str, tokens: int, window: int = 0) -> list[int]:
     """Window `window` of `tokens` tokens of a module's source (0: its first)."""
     source = Path(importlib.util.find_spec(module).origin).read_text()
@@ -64,7 +72,7 @@ def serve_levels(preset: str, prompts: list[list[int]], args: argparse.Namespace
     """Tokens/s through kvg-serve at each level of `--clients`, without and with prompt lookup: both servers up
     (after a warm-up run each), taking turns at each level of each run, so that a ratio compares two runs seconds
     apart rather than minutes (this machine's speed drifts by up to 1.5x between minutes), each first in turn."""
-    static = artifact(preset, "static", SERVE_LENGTH, "fused")
+    static = artifact(preset, "static", SERVE_LENGTH, "fused", prune=exported_tolerance(preset))
     levels = args.clients
     systems = {"plain": [], "speculative": ["--speculative", "ngram"]}
     figures = {system: {level: [] for level in levels} for system in systems}
@@ -175,10 +183,12 @@ def table(results: dict) -> str:
         "## Speculative decoding: prompt lookup on held-out code",
         "",
         f"`make bench` (bench/speculative.py), {results['machine']['date']}, {results['machine']['cores']} cores: "
-        f"each trained preset's default artifact continues the first {settings['prompt_tokens']} tokens of a "
-        f"third-party module greedily for {settings['new_tokens']} tokens, batch 1, {settings['threads']} threads, "
-        f"plain and `--speculative ngram` ({LOOKUP.tokens} drafts, {LOOKUP.min_ngram}- to {LOOKUP.ngram}-grams) "
-        f"alternating, each first in turn; decode tokens/s, medians of {settings['runs']} runs, the speed-up the "
+        "each trained preset's default artifact (what `make export` makes: dynamic, fp32, the fused operator, "
+        "forget-gate pruning at its config's tolerance) continues the first "
+        f"{settings['prompt_tokens']} tokens of a third-party module greedily for {settings['new_tokens']} tokens, "
+        f"batch 1, {settings['threads']} threads, plain and `--speculative ngram` ({LOOKUP.min_ngram}- to "
+        f"{LOOKUP.ngram}-grams, {LOOKUP.tokens} drafts after a match of {LOOKUP.ngram}, that share after a shorter "
+        f"one) alternating, each first in turn; decode tokens/s, medians of {settings['runs']} runs, the speed-up the "
         "median of each pair's ratio; \"same tokens\": every speculative run's tokens were the plain run's.",
         "",
         "| preset | module | plain tok/s | prompt lookup tok/s | speed-up (range) | drafts accepted | same tokens |",
@@ -193,8 +203,9 @@ def table(results: dict) -> str:
         )
     lines += [
         "",
-        f"Through kvg-serve (the static artifact of {SERVE_LENGTH} slots, `--max-batch {max(settings['clients'])}`, "
-        "every running request speculating, kvg-serve's default with ngram): eight requests of "
+        f"Through kvg-serve (the static artifact of {SERVE_LENGTH} slots, pruning alike, "
+        f"`--max-batch {max(settings['clients'])}`, every running request speculating, kvg-serve's default with "
+        "ngram): eight requests of "
         f"{settings['serve_prompt_tokens']} prompt tokens and {settings['new_tokens']} new ones, all tokens over the "
         "level's wall time; both servers up, taking turns at each level, each first in turn; medians of the runs, "
         "the speed-up the median of each turn's ratio:",
@@ -252,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     config = GenerationConfig(args.new_tokens, args.new_tokens)  # every run makes them all
     rows, serve, genai = [], {}, []
     for preset in PRESETS:
-        generator = Generator.open(artifact(preset, "dynamic", None, "fused"), SessionOptions("cpu", args.threads))
+        folder = artifact(preset, "dynamic", None, "fused", prune=exported_tolerance(preset))
+        generator = Generator.open(folder, SessionOptions("cpu", args.threads))
         for module in MODULES:
             prompt = held_out_prompt(generator, module, args.prompt_tokens)
             figures = measure({"runtime": runtime_decode(generator, prompt, config)}, args.runs)["runtime"]
