@@ -99,9 +99,9 @@ class Lookup:
         the longest matches went on with (a tie goes to the latest), then the next among those that went on with it,
         and so on; none when nothing matched."""
         self._index()
-        (matched, followed), settings = self._longest_matches(), self.settings
-        text, guesses = self.text, []
-        length = min(most, -(-settings.tokens * matched // settings.ngram))
+        settings, text, guesses = self.settings, self.text, []
+        matched, followed = self._longest_matches()
+        length = min(most, -(-settings.tokens * matched // settings.ngram))  # tokens * matched / ngram, rounded up
         while followed and len(guesses) < length:
             votes: dict[int, int] = {}
             for end in followed:

@@ -84,8 +84,8 @@ def test_sampled_drafts_choose_the_tokens_a_seeded_plain_run_samples(exported):
 def naive_proposal(text: list[int], most: int, tokens: int, ngram: int, min_ngram: int) -> list[int]:
     """Of the latest LATEST earlier occurrences of the text's final min_ngram tokens, those that match the text's
     final tokens longest (n <= ngram); then, guess by guess, the token that most of those agreeing with the guesses
-    so far went on with, a tie to the one whose occurrence is latest, for `tokens` guesses after a match of
-    `ngram` and the same share of them (at least a whole guess more) after a shorter one."""
+    so far went on with, a tie to the one whose occurrence is latest: up to `most`, and while the guesses are a
+    smaller share of `tokens` than the match is of `ngram`."""
     shortest = [end for end in range(min_ngram, len(text)) if text[end - min_ngram : end] == text[-min_ngram:]]
     shortest = shortest[-LATEST:]
     for n in range(ngram, min_ngram - 1, -1):
