@@ -314,3 +314,11 @@ def test_decay_after_backpropagates_as_its_sums_do():
     sums = torch.stack([naive[..., j + 1 :].sum(-1) for j in range(9)], dim=-1)
     (sums * weights).sum().backward()
     torch.testing.assert_close(log_gates.grad, naive.grad)
+
+
+def test_decay_after_tells_the_compiler_the_layout_it_returns():
+    """`make train` compiles the loss, and the compiled code checks each custom op's output against what its fake
+    said: on gates read transposed out of the model's [batch, positions, heads] (as training's are), a fake that
+    followed the input's strides while the op returned contiguous sums stopped training at its first step."""
+    log_gates = (-torch.rand(2, 9, 3)).transpose(1, 2)  # [batch, heads, positions], positions innermost in memory
+    torch.library.opcheck(decay_after, (log_gates,), test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
