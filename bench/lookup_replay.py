@@ -48,6 +48,8 @@ class Foreseen:
 
 
 class Foresight:
+    """One run's guesser: the continuation's tokens after those chosen so far."""
+
     distributions = ()
 
     def __init__(self, truth: tuple[int, ...], tokens: int):
