@@ -9,8 +9,9 @@ same artifact for k = 0 to the rule's most (runs whose guesses are all right, co
 whose positions every module's share; medians of `--rounds`). Beside the
 rule, two oracles: its guesses cut to the ones that will be right (the best any sizing of them could do), and at
 every run the earlier occurrence of the text's final min_ngram tokens that goes on right longest, cut likewise (the
-best any choice among the text's occurrences could do). A replay leaves out the decode loop's Python, which a
-measured row pays. Writes results/lookup_replay.json and its table in bench/README.md.
+best any choice among the text's occurrences could do). The timed runs hold the decode loop's Python; a replay
+leaves out the lookup's own time and what rewinding rejected guesses costs, which a measured row pays. Writes
+results/lookup_replay.json and its table in bench/README.md.
 """
 
 from __future__ import annotations
@@ -127,8 +128,8 @@ def table(results: dict) -> str:
         f"continuing the first {settings['prompt_tokens']} tokens of each held-out module for "
         f"{settings['new_tokens']}, replayed at the preset's run costs there (medians of {settings['rounds']} rounds); "
         "speed-ups over plain decoding's replay. The rule is `--speculative ngram`'s; the oracles cut its guesses to "
-        "what will be right, or also choose the earlier occurrence that goes on right longest. The Python loop is left "
-        "out (measured rows, the tables above, run under their replays).",
+        "what will be right, or also choose the earlier occurrence that goes on right longest. The lookup's own time "
+        "and rewinds are left out (measured rows, the tables above, run under their replays).",
         "",
         "| preset | module | one-token step us | 1 + 8 tokens us | guesses right | rule | its guesses cut | "
         "best occurrence, cut |",
