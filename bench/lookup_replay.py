@@ -24,10 +24,12 @@ from dataclasses import dataclass, replace
 
 from report import record
 from run import artifact, machine
-from speculative import LOOKUP, MODULES, PRESETS, exported_tolerance, held_out_prompt
+from speculative import LOOKUP, MODULES, PRESETS, held_out_prompt
 
+from exporters.export import AS_CONFIG
 from runtime.artifact import SessionOptions
 from runtime.generator import GenerationConfig, Generator
+from runtime.search import adapted_budget
 
 BEGIN, END = "<!-- lookup-replay:begin -->", "<!-- lookup-replay:end -->"
 
@@ -99,7 +101,7 @@ def rule_time(prompt: list[int], truth: list[int], cost: list[float], cut: bool 
         seconds += cost[kept if cut else len(guess)]
         proposed, kept_in_all = proposed + len(guess), kept_in_all + kept
         if guess:  # as Search.accepts adapts it
-            budget = min(budget + 2, LOOKUP.tokens) if kept == len(guess) else max(budget - 1, 1)
+            budget = adapted_budget(budget, LOOKUP.tokens, whole=kept == len(guess))
         for token in truth[done : done + kept + 1]:
             lookup.push(token)
         done += kept + 1
@@ -153,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows = []
     for preset in PRESETS:
-        folder = artifact(preset, "dynamic", None, "fused", prune=exported_tolerance(preset))
+        folder = artifact(preset, "dynamic", None, "fused", prune=AS_CONFIG)
         generator = Generator.open(folder, SessionOptions("cpu", args.threads))
         cost = None
         for module in MODULES:

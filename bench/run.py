@@ -168,19 +168,21 @@ def add_attention_option(parser: argparse.ArgumentParser) -> None:
 
 
 def artifact(
-    model: str, cache: str, length: int | None, attention: str, quantize: str | None = None, prune: float | None = None
+    model: str, cache: str, length: int | None, attention: str, quantize: str | None = None,
+    prune: float | str | None = None,
 ) -> str:  # fmt: skip
     """An exported artifact for the benchmark, made once and kept in bench/.artifacts. A quantized one
     (`quantize` "int8", "int4", "int4-sym" or "int4-hqq") is judged as any quantized export is, against the default
     thresholds; a random-weight preset's on perplexity alone, as its top-1 ranking is noise. `prune`: the log
-    pruning tolerance the runtime prunes at (None: it keeps every key, whatever the model's config asks)."""
+    pruning tolerance the runtime prunes at (exporters.export's AS_CONFIG: the model config's, as `make export`
+    prunes; None: it keeps every key, whatever the model's config asks)."""
     from exporters.evaluate import Thresholds
-    from exporters.export import QUALITY_THRESHOLDS, ExportOptions, QualityOptions, export_artifact
+    from exporters.export import AS_CONFIG, QUALITY_THRESHOLDS, ExportOptions, QualityOptions, export_artifact
     from exporters.quantization import BITS, Quantization
     from kvg_export.presets import preset_folder
 
     parts = [model, cache, *([str(length)] if length else []), attention, *([quantize] if quantize else [])]
-    parts += [f"prune{prune:g}"] if prune is not None else []
+    parts += [] if prune is None else ["prune-config" if prune == AS_CONFIG else f"prune{prune:g}"]
     out = ARTIFACTS / "-".join(parts)
     if not (out / "kvg_config.json").is_file() or (attention == "fused" and not _current_library(out)):
         print(f"exporting {out.name} ...", flush=True)

@@ -38,7 +38,7 @@ from report import publish
 from run import HERE, RESULTS, Worker, artifact, machine
 from serve_load import concurrent, server_flags
 
-from kvg_export.presets import preset_folder
+from exporters.export import AS_CONFIG
 from runtime.artifact import SessionOptions
 from runtime.generator import GenerationConfig, Generator
 from runtime.prompt_lookup import PromptLookup
@@ -57,11 +57,6 @@ PEER_CHECKPOINT = HERE / "peer-models" / "llama-py"  # the LLaMA of fox-py's dim
 GENAI_LOOKUP = {"ngram_size": 4, "max_draft_tokens": 16}
 
 
-def exported_tolerance(preset: str) -> float | None:
-    """The log pruning tolerance `make export` prunes the preset at: its config's (None: none)."""
-    return json.loads((preset_folder(preset) / "config.json").read_text()).get("log_pruning_tolerance")
-
-
 def held_out_prompt(generator: Generator, module: str, tokens: int, window: int = 0) -> list[int]:
     """Window `window` of `tokens` tokens of a module's source (0: its first)."""
     source = Path(importlib.util.find_spec(module).origin).read_text()
@@ -72,7 +67,7 @@ def serve_levels(preset: str, prompts: list[list[int]], args: argparse.Namespace
     """Tokens/s through kvg-serve at each level of `--clients`, without and with prompt lookup: both servers up
     (after a warm-up run each), taking turns at each level of each run, so that a ratio compares two runs seconds
     apart rather than minutes (this machine's speed drifts by up to 1.5x between minutes), each first in turn."""
-    static = artifact(preset, "static", SERVE_LENGTH, "fused", prune=exported_tolerance(preset))
+    static = artifact(preset, "static", SERVE_LENGTH, "fused", prune=AS_CONFIG)
     levels = args.clients
     systems = {"plain": [], "speculative": ["--speculative", "ngram"]}
     figures = {system: {level: [] for level in levels} for system in systems}
@@ -263,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     config = GenerationConfig(args.new_tokens, args.new_tokens)  # every run makes them all
     rows, serve, genai = [], {}, []
     for preset in PRESETS:
-        folder = artifact(preset, "dynamic", None, "fused", prune=exported_tolerance(preset))
+        folder = artifact(preset, "dynamic", None, "fused", prune=AS_CONFIG)
         generator = Generator.open(folder, SessionOptions("cpu", args.threads))
         for module in MODULES:
             prompt = held_out_prompt(generator, module, args.prompt_tokens)

@@ -75,7 +75,7 @@ class Search:
         self.latest, self.drawn_from = self.no_drafts, ()  # the latest drafts, and the q of each where drawn
         self.proposed = self.accepted = 0  # drafts verified, and those the search then chose
         # The most drafts the next run verifies: where few are chosen, a long run costs more than the tokens it
-        # yields, so the count adapts as transformers' assisted decoding's does (+2 after a run chosen whole, else -1)
+        # yields, so the count adapts as transformers' assisted decoding's does (`adapted_budget`)
         self.budget = 0 if speculative is None else speculative.tokens
 
     @property
@@ -162,12 +162,12 @@ class Search:
         is one token for certain)."""
         if index >= drafts.shape[1]:
             if index:  # the run's drafts were all chosen
-                self.budget = min(self.budget + 2, self.config.speculative.tokens)
+                self.budget = adapted_budget(self.budget, self.config.speculative.tokens, whole=True)
             self.latest, self.drawn_from = self.no_drafts, ()  # judged: the next choice verifies none of them
             return False
         column = drafts[:, index].tolist()  # compared as Python ints: a row or a few, where numpy's calls cost most
         if any(column[row] != token for row, token, _ in self.taken):
-            self.budget = max(self.budget - 1, 1)
+            self.budget = adapted_budget(self.budget, self.config.speculative.tokens, whole=False)
             self.latest, self.drawn_from = self.no_drafts, ()
             return False
         self.accepted += 1
@@ -176,3 +176,9 @@ class Search:
     def end(self, row: int, reason: str) -> None:
         self.ended[row], self.reasons[row] = True, reason
         self.finished += 1
+
+
+def adapted_budget(budget: int, most: int, whole: bool) -> int:
+    """The drafts the next run verifies after one that verified `budget`: two more (up to `most`) when all were
+    chosen (`whole`), else one fewer (at least 1)."""
+    return min(budget + 2, most) if whole else max(budget - 1, 1)

@@ -27,7 +27,7 @@ def decay_after(log_gates: torch.Tensor) -> torch.Tensor:
     """sum_{l>j} log_gates[..., l] for every j, float32 in and out: onnxruntime's CumSum with `exclusive`
     and `reverse`, which the exporter lowers it to, summing from the end as here."""
     after = log_gates[..., 1:].flip(-1).cumsum(-1).flip(-1)
-    return F.pad(after, (0, 1)).contiguous()  # whatever the input's strides, as the fake's below
+    return F.pad(after, (0, 1))  # a new, contiguous tensor whatever the input's strides, as the fake says
 
 
 @decay_after.register_fake
