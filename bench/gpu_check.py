@@ -35,6 +35,7 @@ from exporters.references import eager_generate
 from exporters.validate import greedy_disagreement
 from kvg_export.presets import load_model
 from runtime.artifact import SessionOptions
+from runtime.device_cache import DeviceCache
 from runtime.generator import GenerationConfig, Generator
 
 PARITY_PROMPTS, PARITY_TOKENS = (5, 11, 8), 32
@@ -76,18 +77,19 @@ def check_artifact(folder: Path, model, provider: str) -> dict:
     rng = np.random.default_rng(1)
     batch_prompts = [rng.integers(3, model.config.vocab_size, n).tolist() for n in PARITY_PROMPTS]
     want_tokens, want_logits = eager_generate(model, batch_prompts, PARITY_TOKENS)
-    addresses = []
+    addresses, cache = [], DeviceCache(generator.model.artifact, len(batch_prompts))
 
     def record(_event):
-        addresses.append({name: generator.cache.past[name].data_ptr() for name in generator.cache.in_place})
+        addresses.append({name: cache.past[name].data_ptr() for name in cache.in_place})
 
     config = GenerationConfig(max_new_tokens=PARITY_TOKENS, min_new_tokens=PARITY_TOKENS)
-    got = generator.generate(batch_prompts, config, keep_logits=True, on_token=record)
-    generator.generate(batch_prompts, GenerationConfig(max_new_tokens=4, min_new_tokens=4), on_token=record)
-    dtype = generator.artifact.manifest["dtype"]
+    got = generator.generate(batch_prompts, config, keep_logits=True, on_token=record, cache=cache)
+    short = GenerationConfig(max_new_tokens=4, min_new_tokens=4)
+    generator.generate(batch_prompts, short, on_token=record, cache=cache)
+    dtype = generator.model.artifact.manifest["dtype"]
     failure = greedy_disagreement(got.tokens, want_tokens, got.step_logits, want_logits, dtype)
     return {
-        "device": generator.artifact.device,
+        "device": generator.model.artifact.device,
         "parity": failure or "agrees",
         "tokens_equal": got.tokens == want_tokens,
         "in_place_buffers": len(addresses[0]),

@@ -73,8 +73,8 @@ def profile(folder: str, new_tokens: int, threads: int) -> dict:
         generator = Generator.open(folder, options)
         config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens)
         for _ in range(2):  # the first generation warms up
-            generator.generate(prompts(generator.artifact.vocab_size, 1, 128), config)
-        trace = json.loads(Path(generator.artifact.session.end_profiling()).read_text())
+            generator.generate(prompts(generator.model.artifact.vocab_size, 1, 128), config)
+        trace = json.loads(Path(generator.model.artifact.session.end_profiling()).read_text())
         optimized = Counter(node.op_type for node in onnx.load(options.optimized_model_path).graph.node)
     exported = Counter(node.op_type for node in onnx.load(str(Path(folder) / "model.onnx")).graph.node)
     return {

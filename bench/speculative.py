@@ -60,7 +60,7 @@ GENAI_LOOKUP = {"ngram_size": 4, "max_draft_tokens": 16}
 def held_out_prompt(generator: Generator, module: str, tokens: int, window: int = 0) -> list[int]:
     """Window `window` of `tokens` tokens of a module's source (0: its first)."""
     source = Path(importlib.util.find_spec(module).origin).read_text()
-    return generator.encode(source)[0][window * tokens : (window + 1) * tokens]
+    return generator.model.encode(source)[0][window * tokens : (window + 1) * tokens]
 
 
 def serve_levels(preset: str, prompts: list[list[int]], args: argparse.Namespace) -> dict:

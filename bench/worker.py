@@ -135,7 +135,7 @@ def runtime_runner(artifact: str, threads: int):
 
     def run(batch: int, prompt: int, new_tokens: int, text: str | None = None) -> dict:
         config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens)
-        result = generator.generate(prompts(generator.artifact.vocab_size, batch, prompt, text), config)
+        result = generator.generate(prompts(generator.model.artifact.vocab_size, batch, prompt, text), config)
         steps = new_tokens - 1
         decode_s = result.wall_s - result.time_to_first_token_s
         return {

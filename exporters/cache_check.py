@@ -43,9 +43,9 @@ class CacheCheck:
 def check_cache(folder: Path, batch: int = 2) -> CacheCheck:
     """Generate with the runtime and replay through `session.run`; see the module docstring."""
     generator = Generator.open(folder, SessionOptions(provider="cpu"), None)  # against session.run: every key
-    manifest, session = generator.artifact.manifest, generator.artifact.session
-    static = generator.artifact.static
-    ids, mask = validation_prompt(manifest["model"]["vocab_size"], batch, generator.pad)
+    manifest, session = generator.model.artifact.manifest, generator.model.artifact.session
+    static = generator.model.artifact.static
+    ids, mask = validation_prompt(manifest["model"]["vocab_size"], batch, generator.model.pad)
     prompts = [row[kept == 1].tolist() for row, kept in zip(ids, mask, strict=True)]  # the runtime pads them again
     no_stop = GenerationConfig(DECODE_STEPS + 1, min_new_tokens=DECODE_STEPS + 1)  # every row runs every step
     result = generator.generate(prompts, no_stop, keep_logits=True)

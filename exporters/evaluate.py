@@ -280,7 +280,7 @@ def _open_artifact(folder: Path, checkpoint: Path, vocab_size: int, options: Ses
         generator = Generator.open(folder, options)
     except ArtifactError as error:
         raise EvalError(str(error)) from None
-    manifest = generator.artifact.manifest
+    manifest = generator.model.artifact.manifest
     if manifest["model"]["vocab_size"] != vocab_size or manifest["source"]["sha256"] != source_digest(checkpoint):
         raise EvalError(
             f"{folder} was exported from {manifest['source']['model']!r}, whose weights differ from {checkpoint}'s; "
@@ -402,8 +402,8 @@ def evaluate(
     generator = None
     if artifact is not None:
         generator = _open_artifact(artifact, checkpoint, vocab_size, session_options or SessionOptions())
-        if generator.artifact.static:
-            context = min(context, generator.artifact.manifest["cache"]["max_cache_len"])
+        if generator.model.artifact.static:
+            context = min(context, generator.model.artifact.manifest["cache"]["max_cache_len"])
     progress = progress or untracked()
     if eager is None:
         eager = run_eager(load_model(checkpoint), checkpoint, split=split, text_paths=text_paths, context=context,
@@ -442,7 +442,7 @@ def _score_artifact(
     """The artifact's half: the runtime scores the windows eager scored, as many at once as the artifact's batch
     takes, with the same arithmetic, so that the two compare position by position."""
     began = time.perf_counter()
-    max_batch = generator.artifact.manifest["cache"]["max_batch"]
+    max_batch = generator.model.artifact.manifest["cache"]["max_batch"]
     scores = score_windows(generator.teacher_forced_logits, eager.windows, max_batch, vocab_size, progress.advance)
     return SystemResult.of(name, scores, time.perf_counter() - began), scores
 

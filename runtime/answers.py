@@ -24,15 +24,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sse_starlette import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 
-from runtime.artifact import ArtifactError
 from runtime.chat_template import ChatTemplate
 from runtime.constraints import Constraint
 from runtime.drain import Drain
-from runtime.engine import Engine, Event, Failed, Finished, Prompt, QueueFull, Token
-from runtime.generator import GenerationConfig
+from runtime.engine import Engine, Event, Failed, Finished, Prompt, Token
+from runtime.errors import QueueFull, RequestError, ShuttingDown
 from runtime.http_guard import error_body
 from runtime.logprobs import TokenLogprob
 from runtime.sampling import SamplingConfig
+from runtime.search import GenerationConfig
 from runtime.text_stream import TextStream
 
 RETRY_AFTER_S = 1
@@ -200,7 +200,7 @@ class ServerState:
 
     @property
     def tokenizer(self):
-        return self.engine.generator.tokenizer
+        return self.engine.model.tokenizer
 
 
 @dataclass(frozen=True)
@@ -428,16 +428,22 @@ def _submit(
             engine.check(prompt, config)
         for choice, prompt, text in zip(choices, prompts, texts, strict=True):
             choice.submit(prompt, text, config)
-    except QueueFull as full:
+    except (RequestError, QueueFull, ShuttingDown) as refused:
         for choice in choices:
             choice.cancel()
-        raise ApiError(429, f"the server is busy ({full}); retry after {RETRY_AFTER_S} s", "rate_limit_error",
-                       headers={"Retry-After": str(RETRY_AFTER_S)}) from None  # fmt: skip
-    except (ArtifactError, ValueError) as bad:
-        for choice in choices:
-            choice.cancel()
-        message = str(bad).replace("max_new_tokens", "max_tokens")  # the runtime's name for the API's field
-        raise ApiError(400, message, param=prompt_param if isinstance(bad, ArtifactError) else None) from None
+        raise refusal(refused, prompt_param) from None
+
+
+def refusal(error: RequestError | QueueFull | ShuttingDown, prompt_param: str) -> ApiError:
+    """The answer to a request the engine refused: the request's fault (400, naming the field, the prompt under the
+    route's own name), a busy server (429, to be retried) or one that is closing (503)."""
+    if isinstance(error, QueueFull):
+        return ApiError(429, f"the server is busy ({error}); retry after {RETRY_AFTER_S} s", "rate_limit_error",
+                        headers={"Retry-After": str(RETRY_AFTER_S)})  # fmt: skip
+    if isinstance(error, ShuttingDown):
+        return ApiError(503, str(error), "server_error")
+    message = str(error).replace("max_new_tokens", "max_tokens")  # the runtime's name for the API's field
+    return ApiError(400, message, param=prompt_param if error.param == "prompt" else error.param)
 
 
 async def _client_gone(http: Request) -> None:

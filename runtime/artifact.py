@@ -22,15 +22,13 @@ from runtime.contract import (
     PRESENT_PREFIX,
     ROWS_AXIS,
     SHIFT_STATES_TEMPLATE,
+    WINDOW_OFFSETS,
 )
+from runtime.errors import ArtifactError
 
 ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int64)": "int64",
              "tensor(bfloat16)": "bfloat16"}  # fmt: skip
 PROVIDERS = {"cuda": "CUDAExecutionProvider", "cpu": "CPUExecutionProvider"}
-
-
-class ArtifactError(Exception):
-    """The artifact or the request cannot be served; the message says what to change."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +94,19 @@ def attention_of(manifest: dict) -> str:
     one row only) or "onnx-attention" (ONNX Attention over a static buffer that TensorScatter writes). Artifacts
     made before the field existed are standard."""
     return manifest.get("attention", "standard")
+
+
+def window_kind(manifest: dict) -> str:
+    """Where the graph takes window_offsets (exporters/passes/window_offsets.py): each head's own window ("head"),
+    or each layer's in an artifact exported before heads had theirs ("layer"); else one window for all ("one")."""
+    offsets = next((e for e in manifest.get("optional_inputs", []) if e["name"] == WINDOW_OFFSETS), None)
+    return "one" if offsets is None else "head" if len(offsets["axes"]) == 2 else "layer"
+
+
+def runs_keep_head_windows(manifest: dict) -> bool:
+    """Whether a run of several tokens can follow decode steps that pruning has left with staggered heads: so unless
+    the artifact was exported before a chunk could keep each head's own window."""
+    return window_kind(manifest) != "head" or manifest["cache"].get("heads_apart_in_chunks", False)
 
 
 def unrunnable(provider: str, manifest: dict) -> str | None:

@@ -10,9 +10,19 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from runtime.answers import ApiError, Choice, Delta, GenerationRequest, ServerState, finite, generation_config
-from runtime.generator import GenerationConfig
+from runtime.answers import (
+    ApiError,
+    Choice,
+    Delta,
+    GenerationRequest,
+    ServerState,
+    finite,
+    generation_config,
+    refusal,
+)
+from runtime.errors import RequestError
 from runtime.logprobs import MAX_TOP, TokenLogprob
+from runtime.search import GenerationConfig
 
 NO_TEMPLATE = (
     "this model's tokenizer has no chat template (tokenizer_config.json `chat_template`); use /v1/completions, "
@@ -63,8 +73,8 @@ def chat_prompt(request: ChatRequest, state: ServerState) -> list[int]:
         messages.append({**message.model_dump(exclude_none=True), "content": text})
     try:
         rendered = state.chat_template.render(messages)
-    except ValueError as refused:
-        raise ApiError(400, str(refused), param="messages") from None
+    except RequestError as refused:
+        raise refusal(refused, "messages") from None
     return state.tokenizer.encode(rendered, bos=False)  # a template writes its own BOS
 
 

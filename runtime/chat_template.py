@@ -14,7 +14,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from runtime.artifact import ArtifactError
+from runtime.errors import ArtifactError, RequestError
 
 CONFIG_NAME = "tokenizer_config.json"
 TEMPLATE_NAME = "chat_template.jinja"
@@ -50,14 +50,14 @@ class ChatTemplate:
         return cls(_compile(source, folder), tokens, () if end is None else (end,))
 
     def render(self, messages: list[dict]) -> str:
-        """The conversation as the model reads it, ending where the assistant's next turn begins; a ValueError
+        """The conversation as the model reads it, ending where the assistant's next turn begins; a RequestError
         with the template's own words when it refuses the messages (raise_exception)."""
         import jinja2
 
         try:
             return self.template.render(messages=messages, add_generation_prompt=True, **self.tokens)
         except jinja2.TemplateError as error:
-            raise ValueError(f"the chat template refused the messages: {error}") from None
+            raise RequestError(f"the chat template refused the messages: {error}", "messages") from None
 
 
 def _content(token: str | dict) -> str:

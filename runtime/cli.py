@@ -7,12 +7,14 @@ import json
 import sys
 from pathlib import Path
 
-from runtime.artifact import ArtifactError, SessionOptions, unrunnable
+from runtime.artifact import SessionOptions, unrunnable
 from runtime.constraints import Constraint, ConstraintError
-from runtime.generator import GenerationConfig, Generator
+from runtime.errors import ArtifactError, RequestError
+from runtime.generator import Generator
 from runtime.proposers import add_speculative_arguments, proposer
 from runtime.pruning import AS_EXPORTED, describe, parse_tolerance
 from runtime.sampling import SamplingConfig
+from runtime.search import GenerationConfig
 
 
 def _ids(text: str) -> list[int]:
@@ -103,15 +105,16 @@ def main(argv: list[str] | None = None) -> int:
             constraint=constraint(args),
         )
         prompts = args.prompt or args.ids
-        device = generator.artifact.device.upper()
+        model = generator.model
+        device = model.artifact.device.upper()
         why = ""
         if args.provider == "auto" and device == "CPU":
-            kernel = "fused FoX attention" if generator.artifact.attention == "fused" else "GroupQueryAttention"
-            cpu_only = unrunnable("cuda", generator.artifact.manifest) is not None
+            kernel = "fused FoX attention" if model.artifact.attention == "fused" else "GroupQueryAttention"
+            cpu_only = unrunnable("cuda", model.artifact.manifest) is not None
             why = f" (its fp32 {kernel} runs on the CPU provider)" if cpu_only else " (CUDA is not usable here)"
-        artifact = generator.artifact
+        artifact = model.artifact
         print(
-            f"kvg-generate: {artifact.folder} on {device}{why}, {artifact.weights}, {describe(generator.pruning)}",
+            f"kvg-generate: {artifact.folder} on {device}{why}, {artifact.weights}, {describe(model.pruning)}",
             file=sys.stderr,
         )
         if args.stream and len(prompts) == 1:
@@ -122,13 +125,13 @@ def main(argv: list[str] | None = None) -> int:
                 except StopIteration as done:
                     result = done.value
                     break
-                print(event.text if generator.tokenizer else f"{event.token} ", end="", flush=True)
+                print(event.text if model.tokenizer else f"{event.token} ", end="", flush=True)
             print()
         else:
             result = generator.generate(prompts, config)
             for row, tokens in enumerate(result.tokens):
                 print(result.text[row] if result.text is not None else ",".join(map(str, tokens)))
-    except (ArtifactError, ValueError) as error:
+    except (ArtifactError, RequestError) as error:
         print(f"kvg-generate: error: {error}", file=sys.stderr)
         return 2
     first_ms = result.time_to_first_token_s * 1e3
@@ -137,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         f"decode {result.decode_tokens_per_s:.1f} tokens/s"
         + (f", {_acceptance(result)}" if speculative else "")
         + (_incomplete(result) if config.constraint is not None else "")
-        + (f", oldest positions dropped by layer and kv head: {result.pruned_positions}" if generator.pruning else ""),
+        + (f", oldest positions dropped by layer and kv head: {result.pruned_positions}" if model.pruning else ""),
         file=sys.stderr,
     )
     return 0

@@ -26,6 +26,7 @@ import llguidance
 import numpy as np
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
+from runtime.errors import RequestError
 from runtime.grammar_vocabulary import EscapedVocabulary, PlainVocabulary
 from runtime.tokenizer import TextTokenizer
 
@@ -36,7 +37,7 @@ KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 COMPILED_CACHE = 64  # constraints compiled per tokenizer and kept for the next request that names one again
 
 
-class ConstraintError(ValueError):
+class ConstraintError(RequestError):
     """A constraint llguidance cannot compile, or one a request cannot be held to; the message says why."""
 
 

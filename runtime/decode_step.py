@@ -42,7 +42,7 @@ class StepCache(Protocol):
 
 class DecodeStep:
     def __init__(self, artifact: Artifact, cache: StepCache, run: Callable[[ort.IOBinding], None]):
-        """`run`: runs the session on a binding (see `generator.SessionClock`)."""
+        """`run`: runs the session on a binding (see `prefill.SessionClock`)."""
         self.artifact, self.cache, self.run = artifact, cache, run
         self.bindings = (artifact.session.io_binding(), artifact.session.io_binding())  # even steps', odd steps'
         self.steps = 0

@@ -19,27 +19,17 @@ import numpy as np
 import onnxruntime as ort
 
 from runtime import buffers
-from runtime.artifact import Artifact, ArtifactError
+from runtime.artifact import Artifact, window_kind
 from runtime.contract import BATCH_AXIS, PAST_AXIS, WINDOW_OFFSETS, held_in_place
-from runtime.prefill import chunk_size
 from runtime.pruning import PRUNE_EVERY, PruningError, needed_slots
+
+# A gqa dynamic artifact's key, value and gate buffers first hold the prompt and up to this many new tokens, and
+# double when a generation goes further: a long max_new_tokens allocates only what is generated.
+RESERVED_NEW_TOKENS = 256
 
 
 def _field(name: str) -> str:
     return name.rsplit(".", 1)[-1]
-
-
-def window_kind(manifest: dict) -> str:
-    """Where the graph takes window_offsets (exporters/passes/window_offsets.py): each head's own window ("head"),
-    or each layer's in an artifact exported before heads had theirs ("layer"); else one window for all ("one")."""
-    offsets = next((e for e in manifest.get("optional_inputs", []) if e["name"] == WINDOW_OFFSETS), None)
-    return "one" if offsets is None else "head" if len(offsets["axes"]) == 2 else "layer"
-
-
-def runs_keep_head_windows(manifest: dict) -> bool:
-    """Whether a run of several tokens can follow decode steps that pruning has left with staggered heads: so unless
-    the artifact was exported before a chunk could keep each head's own window."""
-    return window_kind(manifest) != "head" or manifest["cache"].get("heads_apart_in_chunks", False)
 
 
 class DeviceCache:
@@ -124,13 +114,13 @@ class DeviceCache:
             if past in self.swapped:
                 self.spare[past] = self._zeros(past)
 
-    def start(self, thresholds, length: int) -> None:
-        """Begin a request: from now on drop the slots every head's decay has put below its threshold
-        (`[layers, heads]`, see runtime/pruning.py; None: keep every slot), and make the buffers hold its first
-        `length` positions unless pruning bounds them."""
+    def start(self, thresholds: np.ndarray | None, width: int, new_tokens: int) -> None:
+        """Begin a request of prompts `width` long and up to `new_tokens` more: from now on drop the slots every
+        head's decay has put below its threshold (`[layers, heads]`, see runtime/pruning.py; None: keep every slot),
+        else make the buffers hold the prompts and RESERVED_NEW_TOKENS more from the start."""
         self.thresholds = None if thresholds is None else np.asarray(thresholds)
         if self.thresholds is None:
-            self.reserve(length)
+            self.reserve(width + min(new_tokens - 1, RESERVED_NEW_TOKENS))  # the last new token is never fed back
 
     def window_mask(self, mask: np.ndarray, end: int) -> np.ndarray:
         """The attention mask of positions [offset, end) `[batch, end - offset]` for the slots the buffers hold.
@@ -145,24 +135,10 @@ class DeviceCache:
             self.counted = offset
         return np.ascontiguousarray(mask[:, offset:end])
 
-    def prefill_chunks(self, width: int, most: int) -> tuple[int, bool]:
-        """How prompts `width` long are fed into this cache while it is empty: the tokens a run takes (at most `most`,
-        see prefill.chunk_size), and whether row by row. GroupQueryAttention takes a later chunk of a prompt for one
-        row only, so a gqa artifact feeds a batch row by row (into each row's part of the buffers) when its prompts
-        span several chunks; the rows share one window of slots, so such a prefill drops none (pruning starts with
-        the decode) and must fit in them."""
-        artifact = self.artifact
-        buffer = artifact.manifest["cache"]["max_cache_len"] if artifact.static else self.length or width
-        size = chunk_size(artifact, self.batch, buffer, most, window=width)
-        over = self.capacity is not None and width > self.capacity  # a pruned request's prompt, longer than its slots
-        by_row = self.batch > 1 and (width > size or over) and artifact.attention == "gqa"
-        if by_row and over:
-            raise ArtifactError(
-                f"a batch of prompts longer than one prefill chunk is prefilled row by row and pruned only after, "
-                f"so its {width} positions must fit in the artifact's {self.capacity} slots; send the prompts one "
-                "by one, or re-export with a larger --max-cache-len"
-            )
-        return (chunk_size(artifact, 1, buffer, most, window=width) if by_row else size), by_row
+    def buffer_length(self, width: int) -> int:
+        """The most slots a run over prompts `width` long attends: a static buffer's length, a growing buffer's, or
+        `width` while the cache holds nothing."""
+        return self.artifact.manifest["cache"]["max_cache_len"] if self.artifact.static else self.length or width
 
     def decode_after(self, mask: np.ndarray, filled: int) -> None:
         """Decode runs follow, after the first `filled` positions of `mask` `[batch, >= every position fed]`, the
@@ -249,7 +225,8 @@ class DeviceCache:
         self, mask: np.ndarray, filled: int, new: int, rows=slice(None), cadence: bool = False
     ) -> tuple[int, int, np.ndarray]:  # fmt: skip
         """Before a run of up to `new` positions after the first `filled` of `mask` `[batch, >= filled + new]`:
-        make room for them (see `make_room`; `rows` None: drop nothing) and grow the buffers to hold them.
+        make room for them (see `make_room`; `rows` None: drop nothing, as a prompt prefilled row by row) and
+        grow the buffers to hold them.
         Returns how many of them fit, the slot the first is written to, and the run's attention mask."""
         if rows is not None:
             new = self.make_room(filled, new, rows, cadence)
@@ -263,7 +240,7 @@ class DeviceCache:
         `cadence`: a decode run's drafts) and whenever the new ones would not fit otherwise; each kv head as far
         as its own query heads allow where the graph takes each head's window (in a prompt's chunk too, where the
         artifact says so), else each layer or all of them as far as all of theirs do. Returns how many of the
-        `new` positions fit (all, without pruning: `Generator.check_request` saw to that); raises PruningError
+        `new` positions fit (all, without pruning: `Model.check_request` saw to that); raises PruningError
         naming the head that leaves no room for one."""
         if self.thresholds is None:
             return new

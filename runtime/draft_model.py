@@ -1,5 +1,5 @@
 """A draft model: a smaller artifact with the target's tokenizer guesses the tokens that come next, one run each, and
-the target verifies them all in one run (see `Generator._decode`).
+the target verifies them all in one run (see `Generator._decode`, `Engine._step`).
 
 The draft keeps a cache of its own, which holds the text the target has chosen. Each round feeds it the tokens
 chosen since the last (the accepted guesses and the token after them) in one run, remembers the cache there
@@ -16,46 +16,48 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.artifact import ArtifactError, SessionOptions
+from runtime.artifact import SessionOptions
 from runtime.decode_step import DecodeStep
 from runtime.device_cache import DeviceCache
-from runtime.generator import Generator, SessionClock, left_padded
+from runtime.errors import RequestError
+from runtime.model import Model
+from runtime.prefill import left_padded, prefill
 from runtime.sampling import Sampler, SamplingConfig
 from runtime.search import GenerationConfig
 
 
 @dataclass(frozen=True)
 class DraftModel:
-    """Guess up to `tokens` tokens a run with `generator`'s artifact (greedily, or sampling as the request does)."""
+    """Guess up to `tokens` tokens a run with `model` (greedily, or sampling as the request does)."""
 
-    generator: Generator
+    model: Model
     tokens: int = 5
     rows = 1  # its guesses take a run a row: beside other rows, more than they save (the engine's default)
 
     def __post_init__(self) -> None:
         if self.tokens < 1:
-            raise ValueError(f"a draft model needs tokens (--draft-tokens) >= 1, got {self.tokens}")
+            raise RequestError(f"a draft model needs tokens (--draft-tokens) >= 1, got {self.tokens}")
 
     @classmethod
     def open(cls, folder: str | Path, options: SessionOptions | None = None, tokens: int = 5) -> DraftModel:
-        return cls(Generator.open(folder, options), tokens)
+        return cls(Model.open(folder, options), tokens)
 
-    def check(self, target: Generator, prompts: list[list[int]], config: GenerationConfig) -> None:
+    def check(self, target: Model, prompts: list[list[int]], config: GenerationConfig) -> None:
         """Refuse a draft that cannot guess for `target`'s request, naming why: other token ids, a batch, or a request
         its own artifact cannot hold."""
-        difference = tokenizer_difference(self.generator, target)
+        difference = tokenizer_difference(self.model, target)
         if difference is not None:
-            raise ArtifactError(
-                f"the draft model {self.generator.artifact.folder} does not share the target's tokens: {difference}; "
+            raise RequestError(
+                f"the draft model {self.model.artifact.folder} does not share the target's tokens: {difference}; "
                 "draft with a model exported from the same tokenizer, or use --speculative ngram"
             )
         if len(prompts) > 1:
-            raise ArtifactError("a draft model drafts for one prompt at a time: send the prompts one by one")
-        self.generator.check_request(prompts, replace(config, speculative=None))
-        self.generator.check_runs_of_tokens(1)
+            raise RequestError("a draft model drafts for one prompt at a time: send the prompts one by one", "prompt")
+        self.model.check_request(prompts, replace(config, speculative=None))
+        self.model.check_runs_of_tokens(1)
 
     def start(self, prompt: list[int], config: GenerationConfig) -> Drafting:
-        return Drafting(self.generator, prompt, config)
+        return Drafting(self.model, prompt, config)
 
 
 class Drafting:
@@ -63,14 +65,14 @@ class Drafting:
 
     distributions: list[np.ndarray]  # when sampling, the latest guesses' q, each `[vocab]` (see `Sampler.verify`)
 
-    def __init__(self, generator: Generator, prompt: list[int], config: GenerationConfig):
-        self.generator, self.artifact = generator, generator.artifact
-        self.cache = DeviceCache(self.artifact, 1)
-        self.run = SessionClock(self.artifact.session)
-        ids, mask = left_padded([prompt], generator.pad, config.max_new_tokens)
-        generator.begin(self.cache, ids.shape[1], config.max_new_tokens)
-        generator.prefill(self.artifact.session.io_binding(), self.cache, ids, mask, config.prefill_chunk, self.run)
-        self.step = DecodeStep(self.artifact, self.cache, self.run)
+    def __init__(self, model: Model, prompt: list[int], config: GenerationConfig):
+        artifact = model.artifact
+        self.cache = DeviceCache(artifact, 1)
+        run = artifact.session.run_with_iobinding
+        ids, mask = left_padded([prompt], model.pad, config.max_new_tokens)
+        self.cache.start(model.thresholds(len(prompt) + config.max_new_tokens - 1), len(prompt), config.max_new_tokens)
+        prefill(artifact, self.cache, ids, mask, config.prefill_chunk, run)
+        self.step = DecodeStep(artifact, self.cache, run)
         self.text, self.fed = list(prompt), len(prompt)  # the tokens chosen so far, and those the cache holds
         sampling = config.sampling
         # Its own draws, seeded from the request's seed so that a seeded request repeats; no repetition penalty:
@@ -113,7 +115,7 @@ def _draft_seed(seed: int | None) -> int | None:
 
 
 @functools.lru_cache(maxsize=8)
-def tokenizer_difference(draft: Generator, target: Generator) -> str | None:
+def tokenizer_difference(draft: Model, target: Model) -> str | None:
     """How the draft's token ids differ from the target's, in words; None when they mean the same text. Kept for
     the pair: the engine checks every request, and reading two vocabularies each time is work for nothing."""
     ours, theirs = draft.artifact.manifest, target.artifact.manifest

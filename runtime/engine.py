@@ -24,10 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.artifact import ArtifactError
 from runtime.decode_step import DecodeStep
-from runtime.generator import Generator
+from runtime.errors import ArtifactError, QueueFull, RequestError, ShuttingDown
 from runtime.logprobs import TokenLogprob, chosen_logprob, prompt_logprobs
+from runtime.model import Model
 from runtime.prefill import bind_chunk, chunk_size, chunk_spans
 from runtime.prefix_cache import Block, PrefixCache
 from runtime.row_cache import RowCache
@@ -65,10 +65,6 @@ NO_DRAFTS = np.zeros((1, 0), dtype=np.int64)
 SPECULATIVE_MAX_ROWS = None  # each proposer's own `rows` (bench/README.md: speculative decoding)
 PREFILL_BUDGET = 64  # prompt tokens prefilled between two decode steps, by default (bench/README.md: serving)
 PREFIX_CACHE_MB = 256  # kvg-serve's memory for recent prompts' prefixes, by default
-
-
-class QueueFull(Exception):
-    """Every row is busy and the queue holds --max-queue requests; retry later."""
 
 
 @dataclass(eq=False)
@@ -128,7 +124,7 @@ def check_servable(folder: Path, manifest: dict, max_batch: int) -> None:
         )
     limit = manifest["cache"]["max_batch"]
     if not 1 <= max_batch <= limit:
-        raise ArtifactError(
+        raise RequestError(
             f"--max-batch {max_batch} is outside [1, {limit}], the batch this artifact was exported for; "
             "re-export with a larger --max-batch"
         )
@@ -138,7 +134,7 @@ class Engine:
     """Owns the cache rows and the loop; `submit` may be called from any thread."""
 
     def __init__(
-        self, generator: Generator, max_batch: int, max_queue: int = 64, timeout_s: float | None = None,
+        self, model: Model, max_batch: int, max_queue: int = 64, timeout_s: float | None = None,
         prefill_budget: int = PREFILL_BUDGET, prefix_cache_bytes: int = 0, speculative: Proposer | None = None,
         speculative_max_rows: int | None = SPECULATIVE_MAX_ROWS,
     ):  # fmt: skip
@@ -151,20 +147,18 @@ class Engine:
         prompt lookup and one for a draft model, which guesses a run a row): a batch reads the weights once for
         every row already, so where a model's step is the weights' reading, a wide step's extra tokens can cost
         more than they save once a few rows run."""
-        check_servable(generator.artifact.folder, generator.artifact.manifest, max_batch)
+        check_servable(model.artifact.folder, model.artifact.manifest, max_batch)
         if prefill_budget < 1:
-            raise ArtifactError(f"the prefill budget must be at least 1 token a step, got {prefill_budget}")
-        self.generator, self.max_queue, self.timeout_s = generator, max_queue, timeout_s
+            raise RequestError(f"the prefill budget must be at least 1 token a step, got {prefill_budget}")
+        self.model, self.max_queue, self.timeout_s = model, max_queue, timeout_s
         self.speculative, self.speculative_max_rows = speculative, speculative_max_rows
         self.prefill_budget = prefill_budget
         self.filling: _Filling | None = None
         self.prefixes = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
-        self._prefill_binding = generator.artifact.session.io_binding()
-        self.cache = RowCache(generator.artifact, max_batch)
+        self._prefill_binding = model.artifact.session.io_binding()
+        self.cache = RowCache(model.artifact, max_batch)
         self.rows: list[_Row | None] = [None] * max_batch
-        self.decode_one_token = DecodeStep(
-            generator.artifact, self.cache, generator.artifact.session.run_with_iobinding
-        )
+        self.decode_one_token = DecodeStep(model.artifact, self.cache, model.artifact.session.run_with_iobinding)
         self.drafts_proposed = self.drafts_accepted = 0  # by the requests that ended, for /metrics
         self.waiting: deque[Request] = deque()
         self._wake = threading.Condition()
@@ -186,20 +180,21 @@ class Engine:
         return sum(row is not None for row in self.rows) + (self.filling is not None)
 
     def check(self, prompt: list[int], config: GenerationConfig) -> None:
-        """Raise what `submit` would refuse the request for (ArtifactError, ValueError), queueing nothing. A
+        """Raise what `submit` would refuse the request for (RequestError), queueing nothing. A
         max_new_tokens of 0 prefills the prompt alone, to score it (see Request.echo)."""
         config = self._speculating(config)
         if config.max_new_tokens == 0 and config.min_new_tokens:
-            raise ArtifactError("min_new_tokens must be 0 when max_new_tokens is 0")
-        self.generator.check_request([prompt], replace(config, max_new_tokens=max(config.max_new_tokens, 1)))
+            raise RequestError("min_new_tokens must be 0 when max_new_tokens is 0")
+        self.model.check_request([prompt], replace(config, max_new_tokens=max(config.max_new_tokens, 1)))
         if config.speculative is not None:
-            self.generator.check_runs_of_tokens(self.cache.rows)
+            self.model.check_runs_of_tokens(self.cache.rows)
         needed = len(prompt) + self._reserved(_feeds(config))
-        if self.generator.pruning is not None and needed > self.cache.length:  # else check_request saw to it
-            raise ArtifactError(
+        if self.model.pruning is not None and needed > self.cache.length:  # else check_request saw to it
+            raise RequestError(
                 f"prompt ({len(prompt)} tokens) and the next {needed - len(prompt)} new ones need {needed} cache "
                 f"slots before pruning can free any, over this artifact's max_cache_len {self.cache.length}; "
-                "shorten it or re-export with a larger --max-cache-len"
+                "shorten it or re-export with a larger --max-cache-len",
+                "prompt",
             )
 
     def _speculating(self, config: GenerationConfig) -> GenerationConfig:
@@ -212,20 +207,21 @@ class Engine:
         """The slots a row's `feeds` decode steps are sure to need: all of them, or with pruning the next one's
         (at the end of the cache each row drops what it can; one that still needs more then fails, naming its
         head: see `_make_room`)."""
-        return feeds if self.generator.pruning is None else min(feeds, 1)
+        return feeds if self.model.pruning is None else min(feeds, 1)
 
     def submit(
         self, prompt: list[int], config: GenerationConfig, emit: Callable[[Event], None],
         logprobs: int | None = None, echo: bool = False,
     ) -> Request:  # fmt: skip
-        """Queue a request; refuses at once what cannot run (ArtifactError, ValueError) or a full queue."""
+        """Queue a request; refuses at once what cannot run (RequestError), a full queue (QueueFull) and any request
+        once the engine closes (ShuttingDown)."""
         self.check(prompt, config)
         config = self._speculating(config)
         deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
         request = Request(list(prompt), config, emit, deadline, logprobs, echo)
         with self._wake:
             if self._closing:
-                raise ArtifactError("the engine is shutting down")
+                raise ShuttingDown("the engine is shutting down")
             if len(self.waiting) + self.busy_rows >= self.cache.rows + self.max_queue:
                 raise QueueFull(f"all {self.cache.rows} rows are busy and {len(self.waiting)} requests wait")
             self.waiting.append(request)
@@ -326,7 +322,7 @@ class Engine:
 
     def _chunk(self, config: GenerationConfig) -> int:
         """Prompt tokens a prefill run takes: the budget between two decode steps, or fewer (see chunk_size)."""
-        return chunk_size(self.generator.artifact, 1, self.cache.length, min(self.prefill_budget, config.prefill_chunk))
+        return chunk_size(self.model.artifact, 1, self.cache.length, min(self.prefill_budget, config.prefill_chunk))
 
     @property
     def _filling_row(self) -> int | None:
@@ -335,7 +331,7 @@ class Engine:
     def _fill(self) -> None:
         """Prefill the next chunk of the request being prefilled (where the cache placed it, see RowCache.place and
         prepare_chunk); after its last, the request joins decoding."""
-        filling, session = self.filling, self.generator.artifact.session
+        filling, session = self.filling, self.model.artifact.session
         request, binding = filling.request, self._prefill_binding
         config, prompt = request.config, request.prompt
         if request.cancelled:
@@ -346,7 +342,7 @@ class Engine:
         scoring = request.echo and request.logprobs is not None  # every position's logits, to score the prompt
         ids = np.array([prompt[start:end]], dtype=np.int64)
         try:
-            bind_chunk(binding, self.generator.artifact, ids, mask, slot, self.cache.device, not scoring)
+            bind_chunk(binding, self.model.artifact, ids, mask, slot, self.cache.device, not scoring)
             self.cache.bind_row(binding, filling.row, filling.done, len(filling.spans), filling.resumed > 0)
             session.run_with_iobinding(binding)
         except Exception as error:  # onnxruntime refused this request: it fails, the engine goes on
@@ -371,11 +367,10 @@ class Engine:
 
     def _join(self, filling: _Filling, logits: np.ndarray) -> None:
         """A prefilled request's row, decoding from its first token on (chosen from the prompt's last `logits`)."""
-        request, generator = filling.request, self.generator
+        request, model = filling.request, self.model
         config, prompt = request.config, request.prompt
-        pruning = generator.pruning
-        thresholds = None if pruning is None else pruning.thresholds(len(prompt) + config.max_new_tokens - 1)
-        search = Search(config, [prompt], generator.eos, generator.pad, generator.grammar(config.constraint))
+        thresholds = model.thresholds(len(prompt) + config.max_new_tokens - 1)
+        search = Search(config, [prompt], model.eos, model.pad, model.grammar(config.constraint))
         self.rows[filling.row] = _Row(request, search)
         self.cache.join(filling.row, thresholds)
         self._choose(filling.row, logits)
@@ -403,7 +398,7 @@ class Engine:
         fed = {index: (row.pending + self._drafts(row, room - len(row.pending)))[:room]
                for index, row in running}  # fmt: skip
         width, count = max(map(len, fed.values())), max(fed) + 1
-        ids = np.full((count, width), self.generator.pad, dtype=np.int64)
+        ids = np.full((count, width), self.model.pad, dtype=np.int64)
         for index, tokens in fed.items():
             ids[index, : len(tokens)] = tokens
         try:

@@ -1,4 +1,5 @@
-"""Feeding a prompt: the chunks a prefill runs in, and a chunk's inputs bound.
+"""Feeding a prompt (gpt-fast's `prefill`): the chunks a prefill runs in, a chunk's inputs bound, and a batch of
+prompts fed into a generation's cache.
 
 A chunk's attention terms grow with its length times the slots it attends, so a long prompt is fed in chunks
 sized to keep them within PREFILL_WORKING_SET; the Generator and the engine both cut and bind chunks so.
@@ -6,11 +7,16 @@ sized to keep them within PREFILL_WORKING_SET; the Generator and the engine both
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import numpy as np
 import onnxruntime as ort
 
 from runtime.artifact import Artifact
 from runtime.contract import ATTENTION_MASK, CACHE_POSITION, INPUT_IDS, LOGITS, LOGITS_TO_KEEP
+from runtime.device_cache import DeviceCache
+from runtime.errors import RequestError
 
 PREFILL_WORKING_SET = 256 << 20  # bytes of a prefill run's attention terms (see chunk_size)
 KEEP_LAST = ort.OrtValue.ortvalue_from_numpy(np.ones(1, dtype=np.int64))  # logits_to_keep: the last position's
@@ -57,3 +63,81 @@ def chunk_size(artifact: Artifact, rows: int, buffer: int, most: int, window: in
 def chunk_spans(width: int, size: int) -> list[tuple[int, int]]:
     """The [begin, end) spans of `width` tokens in chunks of `size`."""
     return [(begin, min(begin + size, width)) for begin in range(0, width, size)]
+
+
+class SessionClock:
+    """Runs a session on a binding and adds up the seconds spent inside it."""
+
+    def __init__(self, session: ort.InferenceSession):
+        self.session, self.seconds = session, 0.0
+
+    def __call__(self, binding: ort.IOBinding) -> None:
+        began = time.perf_counter()
+        self.session.run_with_iobinding(binding)
+        self.seconds += time.perf_counter() - began
+
+
+def left_padded(prompts: list[list[int]], pad: int, new_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """The prompts left-padded into ids `[batch, width]`, and their mask over the prompt and `new_tokens` more
+    positions: every new position is attended until its row stops (the caller then masks the rest of it)."""
+    width = max(map(len, prompts))
+    ids = np.full((len(prompts), width), pad, dtype=np.int64)
+    mask = np.ones((len(prompts), width + new_tokens), dtype=np.int64)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :], mask[row, : width - len(prompt)] = prompt, 0
+    return ids, mask
+
+
+def chunking(artifact: Artifact, cache: DeviceCache, width: int, most: int) -> tuple[int, bool]:
+    """How prompts `width` long are fed into `cache` while it is empty: the tokens a run takes (at most `most`, see
+    `chunk_size`), and whether row by row. GroupQueryAttention takes a later chunk of a prompt for one row only, so
+    a gqa artifact feeds a batch row by row (into each row's part of the buffers) when its prompts span several
+    chunks; the rows share one window of slots, so such a prefill drops none (pruning starts with the decode) and
+    must fit in them."""
+    buffer = cache.buffer_length(width)
+    size = chunk_size(artifact, cache.batch, buffer, most, window=width)
+    over = cache.capacity is not None and width > cache.capacity  # a pruned request's prompt, longer than its slots
+    by_row = cache.batch > 1 and (width > size or over) and artifact.attention == "gqa"
+    if by_row and over:
+        raise RequestError(
+            f"a batch of prompts longer than one prefill chunk is prefilled row by row and pruned only after, so its "
+            f"{width} positions must fit in the artifact's {cache.capacity} slots; send the prompts one by one, or "
+            "re-export with a larger --max-cache-len",
+            "prompt",
+        )
+    return (chunk_size(artifact, 1, buffer, most, window=width) if by_row else size), by_row
+
+
+def prefill(
+    artifact: Artifact, cache: DeviceCache, ids: np.ndarray, mask: np.ndarray, most: int,
+    run: Callable[[ort.IOBinding], None], every_position: bool = False,
+) -> np.ndarray:  # fmt: skip
+    """Feed the prompts `ids` `[batch, width]` (`mask` covers at least `width`) into the empty `cache` in chunks of
+    at most `most` tokens, or row by row (see `chunking`), so that a run's attention terms and logits never grow
+    with the prompt; returns the logits of every position `[batch, width, vocab]`, or of the last `[batch, vocab]`.
+    Decode steps may follow (`DeviceCache.decode_after`)."""
+    batch, width = ids.shape
+    step, by_row = chunking(artifact, cache, width, most)
+    binding = artifact.session.io_binding()
+    logits = []
+    for part in [slice(row, row + 1) for row in range(batch)] if by_row else [slice(0, batch)]:
+        pieces, filled, chunk, chunks = [], 0, 0, -(-width // step)  # by row, every chunk is whole
+        while filled < width:
+            rows = None if by_row else slice(None)  # by row, nothing is pruned
+            new, slot, window = cache.prepare_chunk(mask[part], filled, min(step, width - filled), rows)
+            bind_chunk(binding, artifact, ids[part, filled : filled + new], window, slot, cache.device,
+                       not every_position)  # fmt: skip
+            if by_row:
+                cache.bind_row(binding, part.start, chunk, chunks)
+            else:
+                cache.bind(binding)
+            run(binding)
+            outputs = binding.get_outputs()
+            if not by_row:
+                cache.advance(outputs)
+            filled, chunk = filled + new, chunk + 1
+            if every_position or filled == width:
+                pieces.append(outputs[0].numpy())
+        logits.append(np.concatenate(pieces, axis=1) if every_position else pieces[-1][:, -1])
+    cache.decode_after(mask, width)
+    return np.concatenate(logits, axis=0)

@@ -24,6 +24,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from runtime.errors import RequestError
+
 LATEST = 16  # occurrences of the final min_ngram tokens a guess looks at (replayed: 8 to 64 guessed alike)
 
 
@@ -40,7 +42,7 @@ class PromptLookup:
     def __post_init__(self) -> None:
         """Refuse settings that guess nothing, as they are given."""
         if self.tokens < 1 or not 1 <= self.min_ngram <= self.ngram:
-            raise ValueError(
+            raise RequestError(
                 f"prompt lookup needs tokens (--draft-tokens) >= 1 and 1 <= min_ngram (--lookup-min-ngram) <= ngram "
                 f"(--lookup-ngram), got {self.tokens}, {self.min_ngram} and {self.ngram}"
             )

@@ -16,14 +16,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime.artifact import ArtifactError
+from runtime.errors import RequestError
 
 PRUNE_EVERY = 64  # decode steps between two prunings (each sums every head's gates over the window)
 AS_EXPORTED = "artifact"  # a tolerance that means: as the artifact's manifest records it
 Tolerance = float | str | None  # a log_pruning_tolerance, AS_EXPORTED, or None: no pruning
 
 
-class PruningError(ArtifactError):
+class PruningError(RequestError):
     """A head still needs more slots than the cache has: the request cannot go on exactly."""
 
     @classmethod

@@ -24,6 +24,7 @@ from ray.serve import Application
 
 from runtime.answers import ServerState
 from runtime.drain import CUT_FLUSH_S, SIGNALS, exit_at_once, stopped_line
+from runtime.errors import RequestError
 from runtime.server import ServeOptions, open_app
 
 DEPLOYMENT = "kvg-serve"
@@ -95,7 +96,7 @@ def app_builder(args: dict[str, str]) -> Application:
     """The application `serve run runtime.ray_app:app_builder artifact=DIR replicas=N` deploys."""
     known = {field.name for field in dataclasses.fields(ServeOptions)} | {"replicas", "replica_cpus"}
     if unknown := sorted(set(args) - known):
-        raise ValueError(f"unknown arguments {unknown}; known: {sorted(known)}")
+        raise RequestError(f"unknown arguments {unknown}; known: {sorted(known)}")
     values = {key: TYPES.get(key, str)(value) for key, value in args.items()}
     replicas, replica_cpus = values.pop("replicas", 1), values.pop("replica_cpus", 1.0)
     options = ServeOptions(**values)

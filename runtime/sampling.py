@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from runtime.errors import RequestError
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
@@ -21,13 +23,13 @@ class SamplingConfig:
     def validate(self) -> None:
         """Rejects values that transformers would reject or that make no distribution."""
         if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+            raise RequestError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+            raise RequestError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+            raise RequestError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
         if not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+            raise RequestError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
 
 
 def filtered_logits(

@@ -7,9 +7,9 @@ import argparse
 import os
 import sys
 
-from runtime.artifact import ArtifactError
 from runtime.drain import DEFAULT_GRACE_S
 from runtime.engine import PREFILL_BUDGET, PREFIX_CACHE_MB, SPECULATIVE_MAX_ROWS
+from runtime.errors import ArtifactError, RequestError
 from runtime.proposers import add_speculative_arguments
 from runtime.pruning import describe
 
@@ -85,20 +85,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         options.check()
         if args.replicas < 1 or args.replica_cpus < 0:
-            raise ArtifactError("--replicas must be >= 1 and --replica-cpus >= 0")
+            raise RequestError("--replicas must be >= 1 and --replica-cpus >= 0")
         if args.ray:
             print(f"kvg-serve: {serve_forever(options, args.replicas, args.replica_cpus, args.host, args.port)}",
                   file=sys.stderr)  # fmt: skip
             return 0
         app = open_app(options)
-    except (ArtifactError, ValueError) as error:
+    except (ArtifactError, RequestError) as error:
         print(f"kvg-serve: error: {error}", file=sys.stderr)
         return 2
     state = app.state.kvg
-    generator = state.engine.generator
+    model = state.engine.model
     speculating = f", speculative decoding by {args.speculative}" if args.speculative else ""
-    print(f"kvg-serve: {options.name} on {generator.artifact.device.upper()}, {args.max_batch} rows, "
-          f"{describe(generator.pruning)}{speculating}, http://{args.host}:{args.port}/v1",
+    print(f"kvg-serve: {options.name} on {model.artifact.device.upper()}, {args.max_batch} rows, "
+          f"{describe(model.pruning)}{speculating}, http://{args.host}:{args.port}/v1",
           file=sys.stderr)  # fmt: skip
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
     DrainingServer(config, state.drain, state.engine.close).run()

@@ -32,16 +32,18 @@ from runtime.answers import (
     generation_config,
     parse,
 )
-from runtime.artifact import ArtifactError, SessionOptions, read_manifest
+from runtime.artifact import SessionOptions, read_manifest
 from runtime.chat import ChatRequest, ChatShape, chat_config, chat_prompt
 from runtime.chat_template import ChatTemplate
 from runtime.drain import DEFAULT_GRACE_S, Drain, DrainGuard
 from runtime.engine import PREFILL_BUDGET, PREFIX_CACHE_MB, SPECULATIVE_MAX_ROWS, Engine, check_servable
-from runtime.generator import GenerationConfig, Generator
+from runtime.errors import RequestError
 from runtime.http_guard import HttpGuard, body_limit, error_body
 from runtime.logprobs import MAX_TOP
+from runtime.model import Model
 from runtime.prompt_lookup import PromptLookup
 from runtime.proposers import check_choice, proposer
+from runtime.search import GenerationConfig
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
 
@@ -105,8 +107,8 @@ def create_app(
     """`api_key`: what the /v1 routes require as a bearer token (None: nothing); `max_body_bytes`: the cap on
     a request's body (None: `body_limit` of the artifact's max_cache_len and the engine's rows); `drain`: the
     shutdown that a signal starts (runtime/drain.py)."""
-    tokenizer = engine.generator.tokenizer
-    template = ChatTemplate.load(engine.generator.artifact.folder, tokenizer) if tokenizer else None
+    tokenizer = engine.model.tokenizer
+    template = ChatTemplate.load(engine.model.artifact.folder, tokenizer) if tokenizer else None
     state = ServerState(engine, model_name, template, drain or Drain())
 
     @asynccontextmanager
@@ -253,26 +255,26 @@ class ServeOptions:
     def check(self) -> None:
         """Refuse what cannot be served before any model is loaded (or any replica started)."""
         if self.timeout_s <= 0 or self.max_queue < 0:
-            raise ArtifactError("--timeout must be > 0 and --max-queue >= 0")
+            raise RequestError("--timeout must be > 0 and --max-queue >= 0")
         if self.api_key == "" or (self.max_body_bytes is not None and self.max_body_bytes < 1):
-            raise ArtifactError("--api-key must not be empty and --max-body-bytes must be >= 1")
+            raise RequestError("--api-key must not be empty and --max-body-bytes must be >= 1")
         if self.prefill_budget < 1 or self.prefix_cache_mb < 0:
-            raise ArtifactError("--prefill-budget must be >= 1 and --prefix-cache-mb >= 0")
+            raise RequestError("--prefill-budget must be >= 1 and --prefix-cache-mb >= 0")
         if self.shutdown_grace_s < 0:
-            raise ArtifactError("--shutdown-grace must be >= 0 seconds")
+            raise RequestError("--shutdown-grace must be >= 0 seconds")
         if self.speculative is not None:
             check_choice(self.speculative)
         if self.speculative_max_rows is not None and self.speculative_max_rows < 0:
-            raise ArtifactError("--speculative-max-rows must be >= 0")
+            raise RequestError("--speculative-max-rows must be >= 0")
         folder = Path(self.artifact)
         check_servable(folder, read_manifest(folder), self.max_batch)
 
 
 def open_app(options: ServeOptions) -> FastAPI:
     sessions = SessionOptions(options.provider, options.threads)
-    generator = Generator.open(options.artifact, sessions)
+    model = Model.open(options.artifact, sessions)
     ngrams = options.lookup_ngram, options.lookup_min_ngram
     speculative = proposer(options.speculative, options.draft_tokens, ngrams, sessions)
-    engine = Engine(generator, options.max_batch, options.max_queue, options.timeout_s, options.prefill_budget,
+    engine = Engine(model, options.max_batch, options.max_queue, options.timeout_s, options.prefill_budget,
                     options.prefix_cache_mb << 20, speculative, options.speculative_max_rows)  # fmt: skip
     return create_app(engine, options.name, options.api_key, options.max_body_bytes, Drain(options.shutdown_grace_s))

@@ -17,6 +17,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from runtime.errors import ArtifactError
+
 JSON_ESCAPE = "json"  # the manifest's text.escape for the official JSONGPT2Tokenizer's escaping
 _ESCAPE = re.compile(r"\\(?:u[0-9A-Fa-f]{0,4}|.)?", re.DOTALL)  # one escape, or its start at a text's end
 _UNFINISHED = re.compile(r"\\(u[0-9A-Fa-f]{0,3})?")  # an escape whose last characters are still to come
@@ -67,7 +69,7 @@ class TextTokenizer:
 
     def __init__(self, bpe: Tokenizer, rules: TextRules = TextRules()):
         if rules.escape not in (None, JSON_ESCAPE):
-            raise ValueError(f"unknown text escape {rules.escape!r}; this runtime knows {JSON_ESCAPE!r}")
+            raise ArtifactError(f"unknown text escape {rules.escape!r}; this runtime knows {JSON_ESCAPE!r}")
         self.bpe, self.rules = bpe, rules
         self.escaped = rules.escape == JSON_ESCAPE
 

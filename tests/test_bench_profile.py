@@ -10,6 +10,7 @@ import pytest
 from conftest import CPU_FP32_ATTENTION
 
 from runtime.artifact import SessionOptions
+from runtime.device_cache import DeviceCache
 from runtime.generator import GenerationConfig, Generator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
@@ -50,9 +51,10 @@ def test_the_gate_free_copy_runs_the_contract_without_any_forget_gate_node(expor
     attentions = [node for node in graph.node if node.op_type == "GroupQueryAttention"]
     assert attentions and all(len(node.input) <= 10 or not node.input[10] for node in attentions)
     generator = Generator.open(tmp_path / "bare", SessionOptions(provider="cpu"))
-    generator.generate([[5, 6, 7]], GenerationConfig(max_new_tokens=4, min_new_tokens=4))
-    gates = [name for name in generator.cache.past if name.endswith(".gate")]
-    assert gates and all(not np.any(generator.cache.past[name].numpy()) for name in gates)  # zeros, as allocated
+    cache = DeviceCache(generator.model.artifact, 1)
+    generator.generate([[5, 6, 7]], GenerationConfig(max_new_tokens=4, min_new_tokens=4), cache=cache)
+    gates = [name for name in cache.past if name.endswith(".gate")]
+    assert gates and all(not np.any(cache.past[name].numpy()) for name in gates)  # zeros, as allocated
 
 
 @pytest.mark.skipif(CPU_FP32_ATTENTION != "fused", reason="the fused operator's library cannot be built here")

@@ -16,6 +16,7 @@ from kvg_export.onnx_model import OnnxFoxForCausalLM
 from kvg_export.presets import load_model
 from runtime import buffers
 from runtime.artifact import SessionOptions
+from runtime.device_cache import DeviceCache
 from runtime.generator import GenerationConfig, Generator
 from runtime.prefill import PREFILL_WORKING_SET, chunk_size
 
@@ -55,11 +56,11 @@ def _prefilled(generator: Generator, prompts: list[list[int]], chunk: int) -> tu
     """The prefill's last logits `[batch, vocab]` and, copied to the host, every cache tensor it left (the
     filled slots of those held in longer buffers)."""
     config = GenerationConfig(max_new_tokens=1, prefill_chunk=chunk)
-    logits = generator.generate(prompts, config, keep_logits=True).step_logits[0]
-    cache, width = generator.cache, max(map(len, prompts))
+    cache, width = DeviceCache(generator.model.artifact, len(prompts)), max(map(len, prompts))
+    logits = generator.generate(prompts, config, keep_logits=True, cache=cache).step_logits[0]
     host = {}
     for past, _ in cache.pairs:
-        array = np.array(buffers.to_host(cache.past[past], generator.artifact.input_spec(past)["dtype"]))
+        array = np.array(buffers.to_host(cache.past[past], generator.model.artifact.input_spec(past)["dtype"]))
         host[past] = array if past.endswith("shift") else array[:, :, :width]
     return logits, host
 
@@ -144,7 +145,7 @@ def test_a_prefill_runs_attention_terms_stay_within_the_working_set_however_long
     """Chunks shrink as the cache grows, so a run's terms stay bounded: GroupQueryAttention's float32 scores
     `[rows, heads, chunk, buffer]`, and the bias and its masked copy over the slots the run attends; the fused
     operator's pattern `[rows, chunk, window]`, a byte each."""
-    artifact = Generator.open(exported("fox-pro-tiny", "static", attention=attention)[0].path, CPU).artifact
+    artifact = Generator.open(exported("fox-pro-tiny", "static", attention=attention)[0].path, CPU).model.artifact
     assert artifact.attention == attention
     heads = artifact.manifest["model"]["num_heads"]
     for rows in (1, 8):

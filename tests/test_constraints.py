@@ -62,7 +62,7 @@ def test_every_answer_is_what_its_constraint_asks_for(generator, kind):
         result = generator.generate(PROMPTS, GenerationConfig(80, sampling=sampling, constraint=constraint))
         assert result.finish_reasons == ["stop"] * len(PROMPTS), result.text
         for tokens, text in zip(result.tokens, result.text, strict=True):
-            assert tokens[-1] in generator.eos and valid(text), (kind, sampling, text)
+            assert tokens[-1] in generator.model.eos and valid(text), (kind, sampling, text)
 
 
 def test_a_constraint_not_complete_within_max_tokens_ends_with_length(generator):
@@ -74,11 +74,11 @@ def test_a_constraint_not_complete_within_max_tokens_ends_with_length(generator)
 def test_unconstrained_rows_beside_constrained_ones_get_the_tokens_they_get_alone(exported):
     """In the engine, four requests (two constrained, two not, greedy and sampled) share a batch."""
     generator = Generator.open(exported("fox-py", "static")[0].path, CPU)
-    prompts = [generator.encode(prompt)[0] for prompt in PROMPTS[:2]]
+    prompts = [generator.model.encode(prompt)[0] for prompt in PROMPTS[:2]]
     free = [GenerationConfig(24, sampling=sampling) for sampling in SAMPLINGS[:2]]
     held = [GenerationConfig(80, sampling=sampling, constraint=CHECKS["json_schema"][0]) for sampling in SAMPLINGS[:2]]
     requests = [(prompts[0], held[0]), (prompts[1], free[0]), (prompts[0], free[1]), (prompts[1], held[1])]
-    got = served(Engine(generator, 4), requests, {1: (0, 1), 2: (0, 2), 3: (1, 1)})
+    got = served(Engine(generator.model, 4), requests, {1: (0, 1), 2: (0, 2), 3: (1, 1)})
     for (prompt, config), tokens in zip(requests, got, strict=True):
         alone = generator.generate([prompt], config)
         assert tokens == alone.tokens[0]
@@ -115,12 +115,14 @@ def test_what_cannot_be_held_to_is_refused_before_any_work(generator):
 def test_the_mask_allows_exactly_the_tokens_that_continue_the_text(generator):
     """Independently of llguidance: at the start of (ab|cd)e a token is allowed exactly when its text begins abe or
     cde (a special token, or the end, never)."""
-    grammar = generator.grammar(Constraint.regex("(ab|cd)e"))
-    matching = grammar.start(frozenset(generator.eos))
-    texts = generator.tokenizer.token_texts(list(range(generator.artifact.vocab_size)))
+    grammar = generator.model.grammar(Constraint.regex("(ab|cd)e"))
+    matching = grammar.start(frozenset(generator.model.eos))
+    texts = generator.model.tokenizer.token_texts(list(range(generator.model.artifact.vocab_size)))
     allowed = matching.allowed()
     expected = np.array([bool(t) and any(w.startswith(t) for w in ("abe", "cde")) for t in texts])
-    expected[[i for i, added in generator.tokenizer.bpe.get_added_tokens_decoder().items() if added.special]] = False
+    expected[[i for i, added in generator.model.tokenizer.bpe.get_added_tokens_decoder().items() if added.special]] = (
+        False
+    )
     assert (allowed == expected).all(), np.flatnonzero(allowed != expected)[:8]
 
 
@@ -140,9 +142,9 @@ def test_kvg_generate_answers_under_a_schema_and_refuses_a_bad_one(exported, tmp
 def test_a_requests_own_stop_token_may_end_a_row_only_where_the_constraint_is_complete(generator):
     """A chat template's end of turn is a stop token that may also be text: under a constraint it ends the row,
     so it is allowed exactly where the model's eos is."""
-    stop = generator.tokenizer.token_to_id("a")
-    matching = generator.grammar(Constraint.regex("a+b")).start(frozenset([*generator.eos, stop]))
-    assert not matching.allowed()[[stop, *generator.eos]].any()  # "a" is the grammar's next text, not an end
-    for token in generator.tokenizer.encode("aab", bos=False):
+    stop = generator.model.tokenizer.token_to_id("a")
+    matching = generator.model.grammar(Constraint.regex("a+b")).start(frozenset([*generator.model.eos, stop]))
+    assert not matching.allowed()[[stop, *generator.model.eos]].any()  # "a" is the grammar's next text, not an end
+    for token in generator.model.tokenizer.encode("aab", bos=False):
         matching.push(token)
-    assert matching.allowed()[[stop, *generator.eos]].all()
+    assert matching.allowed()[[stop, *generator.model.eos]].all()

@@ -72,7 +72,7 @@ def test_a_row_cache_step_over_rows_that_come_and_go_equals_session_run(artifact
 def test_a_device_cache_step_over_a_growing_batch_equals_session_run(artifacts):
     artifact, batch = artifacts["dynamic"], 2
     cache = DeviceCache(artifact, batch)
-    cache.start(None, length=4)  # shorter than the steps: the buffers double on the way
+    cache.start(None, width=4, new_tokens=1)  # shorter than the steps: the buffers double on the way
     step = DecodeStep(artifact, cache, artifact.session.run_with_iobinding)
     pasts, rng = empty_pasts(artifact, batch), np.random.default_rng(1)
     mask = np.ones((batch, len(ROWS)), dtype=np.int64)

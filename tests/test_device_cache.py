@@ -5,9 +5,11 @@ computation by hand (the running sum of the whole mask, numpy copies of the buff
 import numpy as np
 import pytest
 
-from runtime.artifact import Artifact, ArtifactError, SessionOptions
+from runtime.artifact import Artifact, SessionOptions
 from runtime.buffers import from_host, to_host
 from runtime.device_cache import DeviceCache
+from runtime.errors import RequestError
+from runtime.prefill import chunking
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +38,7 @@ def test_the_window_mask_keeps_each_positions_count_of_the_tokens_before_it(cach
 
 def test_growing_buffers_keep_what_they_hold_and_at_least_double(cache):
     cache.reset()
-    cache.start(None, length=5)
+    cache.start(None, width=5, new_tokens=1)
     rng = np.random.default_rng(0)
     written = {}
     for name in cache.in_place:
@@ -63,8 +65,8 @@ def test_a_gqa_batch_past_one_chunk_is_fed_row_by_row_and_must_fit_its_slots(gqa
     chunks goes row by row; one row, or a batch within one chunk, goes whole; a row-by-row prompt longer than the
     slots cannot be pruned on the way, and is refused naming the fix."""
     slots = gqa_static.manifest["cache"]["max_cache_len"]
-    assert DeviceCache(gqa_static, 2).prefill_chunks(20, 8) == (8, True)
-    assert DeviceCache(gqa_static, 2).prefill_chunks(8, 8) == (8, False)
-    assert DeviceCache(gqa_static, 1).prefill_chunks(20, 8) == (8, False)
-    with pytest.raises(ArtifactError, match="send the prompts one by one"):
-        DeviceCache(gqa_static, 2).prefill_chunks(slots + 1, 8)
+    assert chunking(gqa_static, DeviceCache(gqa_static, 2), 20, 8) == (8, True)
+    assert chunking(gqa_static, DeviceCache(gqa_static, 2), 8, 8) == (8, False)
+    assert chunking(gqa_static, DeviceCache(gqa_static, 1), 20, 8) == (8, False)
+    with pytest.raises(RequestError, match="send the prompts one by one"):
+        chunking(gqa_static, DeviceCache(gqa_static, 2), slots + 1, 8)

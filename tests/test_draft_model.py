@@ -18,9 +18,10 @@ from test_speculative import CPU, KINDS, NEW, prompts
 from exporters.export import ExportOptions
 from kvg_export.presets import load_model
 from runtime import cli
-from runtime.artifact import ArtifactError
 from runtime.draft_model import DraftModel
+from runtime.errors import RequestError
 from runtime.generator import GenerationConfig, Generator
+from runtime.model import Model
 from runtime.sampling import Sampler, SamplingConfig, filtered_logits
 
 PRESETS = Path(__file__).resolve().parents[1] / "models"
@@ -32,9 +33,9 @@ def test_a_model_drafting_for_itself_has_every_guess_accepted(exported, kind):
     preset, cache, attention = kind
     folder = exported(preset, cache, attention=attention)[0].path
     target = Generator.open(folder, CPU, None)
-    row = prompts(target.artifact.vocab_size)[:1]
+    row = prompts(target.model.artifact.vocab_size)[:1]
     plain = target.generate(row, GenerationConfig(NEW, NEW))
-    config = GenerationConfig(NEW, NEW, speculative=DraftModel(Generator.open(folder, CPU, None), tokens=5))
+    config = GenerationConfig(NEW, NEW, speculative=DraftModel(Model.open(folder, CPU, None), tokens=5))
     drafted = target.generate(row, config)
     assert drafted.tokens == plain.tokens
     assert drafted.drafts_proposed >= NEW // 2 and drafted.drafts_accepted == drafted.drafts_proposed
@@ -110,9 +111,9 @@ def test_sampled_drafts_from_another_model_keep_the_targets_distribution(exporte
     model.save_pretrained(tmp_path / "checkpoint")
     shutil.copy(PRESETS / "fox-pro-tiny" / "tokenizer.json", tmp_path / "checkpoint")  # the target's tokens
     options = ExportOptions(str(tmp_path / "checkpoint"), tmp_path / "sharper", "dynamic", log_pruning_tolerance=None)
-    draft = DraftModel(Generator.open(export_here(options), CPU, None), tokens=1)
-    prompt, sampling = prompts(target.artifact.vocab_size)[0], SamplingConfig(temperature=1.0, top_k=3)
-    counts = np.zeros((target.artifact.vocab_size,) * 2, dtype=np.int64)
+    draft = DraftModel(Model.open(export_here(options), CPU, None), tokens=1)
+    prompt, sampling = prompts(target.model.artifact.vocab_size)[0], SamplingConfig(temperature=1.0, top_k=3)
+    counts = np.zeros((target.model.artifact.vocab_size,) * 2, dtype=np.int64)
     proposed = accepted = 0
     for seed in range(1200):
         config = GenerationConfig(3, 3, sampling=dataclasses.replace(sampling, seed=seed), speculative=draft)
@@ -133,16 +134,16 @@ def test_a_draft_of_other_token_ids_is_refused_naming_the_difference(exported, t
     first, second = sorted(vocab, key=vocab.get)[300:302]
     vocab[first], vocab[second] = vocab[second], vocab[first]
     (other / "tokenizer.json").write_text(json.dumps(tokenizer))
-    config = GenerationConfig(8, speculative=DraftModel(Generator.open(other, CPU)))
-    with pytest.raises(ArtifactError, match=f"gives '{second}' id {vocab[second]}, the target's id {vocab[first]}"):
+    config = GenerationConfig(8, speculative=DraftModel(Model.open(other, CPU)))
+    with pytest.raises(RequestError, match=f"gives '{second}' id {vocab[second]}, the target's id {vocab[first]}"):
         target.generate("def f(x):", config)
-    tiny = DraftModel(Generator.open(exported("fox-tiny", "dynamic")[0].path, CPU))
-    with pytest.raises(ArtifactError, match="its vocabulary has 512 ids, the target's 2048"):
+    tiny = DraftModel(Model.open(exported("fox-tiny", "dynamic")[0].path, CPU))
+    with pytest.raises(RequestError, match="its vocabulary has 512 ids, the target's 2048"):
         target.generate("def f(x):", GenerationConfig(8, speculative=tiny))
-    itself = DraftModel(Generator.open(source, CPU))
-    with pytest.raises(ArtifactError, match="one prompt at a time"):
+    itself = DraftModel(Model.open(source, CPU))
+    with pytest.raises(RequestError, match="one prompt at a time"):
         target.generate(["def f(x):", "import os"], GenerationConfig(8, speculative=itself))
-    common = [str(target.artifact.folder), "--prompt", "x = 1", "--provider", "cpu"]
+    common = [str(target.model.artifact.folder), "--prompt", "x = 1", "--provider", "cpu"]
     assert cli.main([*common, "--speculative", str(other)]) == 2
     assert "does not share the target's tokens" in capsys.readouterr().err
     assert cli.main([*common, "--speculative", str(tmp_path / "missing")]) == 2

@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 
 from runtime import engine as engine_module
-from runtime.artifact import ArtifactError, SessionOptions
+from runtime.artifact import SessionOptions
 from runtime.engine import Engine, Failed, Finished, QueueFull, Token
+from runtime.errors import ArtifactError, RequestError
 from runtime.generator import GenerationConfig, Generator
+from runtime.model import Model
 from runtime.prefill import bind_chunk
 from runtime.row_cache import RowCache
 from runtime.sampling import SamplingConfig
@@ -129,14 +131,14 @@ def test_requests_joining_a_running_batch_get_the_tokens_they_get_alone(exported
     moves, move = [], RowCache.move
     monkeypatch.setattr(RowCache, "move", lambda self, *args: moves.append(args) or move(self, *args))
     compactions = watch_compactions(monkeypatch)
-    assert served(Engine(generator, rows, max_queue=len(requests)), requests, triggers) == alone
+    assert served(Engine(generator.model, rows, max_queue=len(requests)), requests, triggers) == alone
     assert compactions, "no compaction happened"
     assert any(to > begin for _rows, begin, _end, to in moves), "no row was moved later"
 
 
 def test_a_row_is_freed_once_its_request_ends_and_taken_by_the_next(exported):
     generator = Generator.open(exported("fox-tiny", "static")[0].path, CPU)
-    engine, got = Engine(generator, 2), Collector(3)
+    engine, got = Engine(generator.model, 2), Collector(3)
     block, blocked = threading.Event(), threading.Event()
 
     def slow_consumer(event):  # holds the engine's loop on its first token until released
@@ -165,7 +167,7 @@ def test_a_long_prompt_is_prefilled_a_chunk_between_two_decode_steps(exported, m
     """While a 42-token prompt is prefilled in chunks of 8 (the budget), the running requests get a token
     between every two chunks; everyone's tokens are still those they get alone."""
     generator = Generator.open(exported(preset, "static")[0].path, CPU)
-    engine, got, order = Engine(generator, 4, prefill_budget=8), Collector(3), []
+    engine, got, order = Engine(generator.model, 4, prefill_budget=8), Collector(3), []
     fill = Engine._fill
     monkeypatch.setattr(
         Engine,
@@ -200,7 +202,7 @@ def test_a_long_prompt_is_prefilled_a_chunk_between_two_decode_steps(exported, m
 
 def test_a_full_queue_is_refused_and_the_queued_requests_still_run(exported):
     generator = Generator.open(exported("fox-tiny", "static")[0].path, CPU)
-    engine, got = Engine(generator, 1, max_queue=1), Collector(2)
+    engine, got = Engine(generator.model, 1, max_queue=1), Collector(2)
     release, blocked = threading.Event(), threading.Event()
 
     def stalled(event):
@@ -223,7 +225,7 @@ def test_a_full_queue_is_refused_and_the_queued_requests_still_run(exported):
 def test_a_failing_request_or_consumer_leaves_the_others_running(exported, monkeypatch):
     """A consumer that raises cancels its own request; a prefill onnxruntime refuses fails its own request."""
     generator = Generator.open(exported("fox-tiny", "static")[0].path, CPU)
-    engine, got = Engine(generator, 4), Collector(3)
+    engine, got = Engine(generator.model, 4), Collector(3)
     poisoned = 13
 
     def refuse_poisoned(binding, artifact, ids, *rest):
@@ -252,7 +254,7 @@ def test_a_request_past_its_deadline_ends_with_length(exported, monkeypatch):
     generator = Generator.open(exported("fox-tiny", "static")[0].path, CPU)
     step = Engine._step
     monkeypatch.setattr(Engine, "_step", lambda self: time.sleep(0.01) or step(self))  # a slow model
-    engine, got = Engine(generator, 2, timeout_s=0.2), Collector(1)
+    engine, got = Engine(generator.model, 2, timeout_s=0.2), Collector(1)
     engine.submit([5, 6], GenerationConfig(max_new_tokens=80, min_new_tokens=80), got.emit(0))
     got.wait(1)
     engine.close()
@@ -261,14 +263,14 @@ def test_a_request_past_its_deadline_ends_with_length(exported, monkeypatch):
 
 def test_what_cannot_be_served_is_refused_with_the_fix(exported):
     with pytest.raises(ArtifactError, match="re-export with --cache static"):
-        Engine(Generator.open(exported("fox-tiny", "dynamic")[0].path, CPU), 2)
+        Engine(Model.open(exported("fox-tiny", "dynamic")[0].path, CPU), 2)
     generator = Generator.open(exported("fox-tiny", "static")[0].path, CPU)
-    limit = generator.artifact.manifest["cache"]["max_batch"]
-    with pytest.raises(ArtifactError, match="re-export with a larger --max-batch"):
-        Engine(generator, limit + 1)
-    engine = Engine(generator, 1)
+    limit = generator.model.artifact.manifest["cache"]["max_batch"]
+    with pytest.raises(RequestError, match="re-export with a larger --max-batch"):
+        Engine(generator.model, limit + 1)
+    engine = Engine(generator.model, 1)
     for prompt, config in (([], GenerationConfig()), ([10**9], GenerationConfig()), ([5], GenerationConfig(500))):
-        with pytest.raises(ArtifactError):
+        with pytest.raises(RequestError):
             engine.submit(prompt, config, lambda event: None)
     engine.close()
-    assert np.isfinite(engine.cache.buffers[generator.artifact.past_names()[0]].numpy()).all()
+    assert np.isfinite(engine.cache.buffers[generator.model.artifact.past_names()[0]].numpy()).all()

@@ -13,10 +13,11 @@ from scripted_drafts import Scripted
 from test_engine import CPU, Collector, schedule, served, watch_compactions
 from test_serve import metric, run_cli, serving
 
-from runtime.artifact import ArtifactError
 from runtime.draft_model import DraftModel
 from runtime.engine import Engine
+from runtime.errors import RequestError
 from runtime.generator import GenerationConfig, Generator
+from runtime.model import Model
 from runtime.prompt_lookup import PromptLookup
 from runtime.sampling import SamplingConfig
 
@@ -33,9 +34,9 @@ def test_speculating_requests_in_a_running_batch_get_the_tokens_they_get_alone(e
     requests, triggers = schedule(20, seed=11)
     alone = [generator.generate([prompt], config).tokens[0] for prompt, config in requests]
     drafts = Scripted.of([prompt for prompt, _ in requests], alone, lambda row, position: (position + row) % 4 != 1,
-                         generator.artifact.vocab_size)  # fmt: skip
+                         generator.model.artifact.vocab_size)  # fmt: skip
     compactions = watch_compactions(monkeypatch)
-    engine = Engine(generator, 3, max_queue=len(requests), speculative_max_rows=3)
+    engine = Engine(generator.model, 3, max_queue=len(requests), speculative_max_rows=3)
     speculating = [(prompt, replace(config, speculative=drafts)) for prompt, config in requests]
     assert served(engine, speculating, triggers) == alone
     assert compactions, "no compaction happened"
@@ -44,9 +45,9 @@ def test_speculating_requests_in_a_running_batch_get_the_tokens_they_get_alone(e
 
 def test_prompt_lookup_in_the_engine_is_refused_where_group_query_attention_cannot_verify_several_rows(exported):
     generator = Generator.open(exported("fox-tiny", "static", attention="gqa")[0].path, CPU)
-    engine = Engine(generator, max_batch=2)
+    engine = Engine(generator.model, max_batch=2)
     try:
-        with pytest.raises(ArtifactError, match="GroupQueryAttention takes for one row only"):
+        with pytest.raises(RequestError, match="GroupQueryAttention takes for one row only"):
             engine.check([5, 6, 7], GenerationConfig(speculative=PromptLookup()))
     finally:
         engine.close()
@@ -76,9 +77,9 @@ def test_no_step_verifies_drafts_while_more_requests_run_than_the_limit(exported
     generator = Generator.open(exported("fox-tiny", "static")[0].path, CPU)
     prompts, config = [[5, 6, 7, 8], [9, 10, 11]], GenerationConfig(20, 20)
     expected = [generator.generate([prompt], config).tokens[0] for prompt in prompts]
-    drafts = Scripted.of(prompts, expected, lambda row, position: True, generator.artifact.vocab_size)
+    drafts = Scripted.of(prompts, expected, lambda row, position: True, generator.model.artifact.vocab_size)
     drafts = replace(drafts, rows=proposer_rows)
-    engine, got = Engine(generator, 2, speculative=drafts, speculative_max_rows=engine_rows), Collector(2)
+    engine, got = Engine(generator.model, 2, speculative=drafts, speculative_max_rows=engine_rows), Collector(2)
     for index, prompt in enumerate(prompts):
         engine.submit(prompt, config, got.emit(index))
     got.wait(len(prompts))
@@ -106,12 +107,12 @@ def test_a_draft_model_drafts_for_each_request_in_the_engine(exported):
     cache of its own and every guess is kept. Greedy, the tokens are the requests' alone; sampled (where speculative
     sampling's draws are not plain decoding's), those the Generator draws with the same draft and seed."""
     target = Generator.open(exported("fox-tiny", "static")[0].path, CPU)
-    draft = DraftModel(Generator.open(exported("fox-tiny", "dynamic")[0].path, CPU), tokens=3)
+    draft = DraftModel(Model.open(exported("fox-tiny", "dynamic")[0].path, CPU), tokens=3)
     sampled = GenerationConfig(30, 30, sampling=SamplingConfig(0.9, 20, seed=4))
     requests = [([5, 6, 7], GenerationConfig(30, 30)), ([8, 9], GenerationConfig(24, 24)), ([10, 11, 12], sampled)]
     expected = [target.generate([prompt], config).tokens[0] for prompt, config in requests[:2]]
     expected.append(target.generate([requests[2][0]], replace(sampled, speculative=draft)).tokens[0])
-    engine, got = Engine(target, 3, speculative=draft, speculative_max_rows=3), Collector(len(requests))
+    engine, got = Engine(target.model, 3, speculative=draft, speculative_max_rows=3), Collector(len(requests))
     for index, (prompt, config) in enumerate(requests):
         engine.submit(prompt, config, got.emit(index))
     got.wait(len(requests))

@@ -47,8 +47,8 @@ def run_in_turn(engine: Engine, prompts, config: GenerationConfig) -> list[list[
 def test_resumed_prompts_get_the_tokens_and_log_probabilities_of_a_prefill_from_nothing(exported, preset):
     generator = Generator.open(exported(preset, "static")[0].path, CPU)
     config = GenerationConfig(12, 12, sampling=SamplingConfig(temperature=0.7, top_k=40, seed=5))
-    cached = Engine(generator, 2, prefill_budget=8, prefix_cache_bytes=1 << 30)
-    uncached = Engine(generator, 2, prefill_budget=8)
+    cached = Engine(generator.model, 2, prefill_budget=8, prefix_cache_bytes=1 << 30)
+    uncached = Engine(generator.model, 2, prefill_budget=8)
     try:
         with_cache = run_in_turn(cached, PROMPTS, config)
         without = run_in_turn(uncached, PROMPTS, config)

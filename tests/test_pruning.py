@@ -16,10 +16,12 @@ from exporters.export import ExportOptions
 from kvg_export.corpus import read_split, token_stream
 from kvg_export.fox.pruning import score_bounds
 from kvg_export.presets import load_model
-from runtime.artifact import ArtifactError, SessionOptions
+from runtime.artifact import SessionOptions
 from runtime.draft_model import DraftModel
 from runtime.engine import Engine, Failed, Finished, Token
+from runtime.errors import RequestError
 from runtime.generator import GenerationConfig, Generator
+from runtime.model import Model
 from runtime.pruning import PruningError, droppable
 
 CPU = SessionOptions(provider="cpu")
@@ -129,7 +131,7 @@ def test_a_pruned_artifact_generates_the_exact_tokens_past_its_slots(artifacts, 
         rows = prompts(model.config.vocab_size, batch)
         expected = Generator.open(exact, CPU).generate(rows, config, keep_logits=True)
         generator = Generator.open(folder, CPU)
-        assert generator.pruning.log_tolerance == TOLERANCE
+        assert generator.model.pruning.log_tolerance == TOLERANCE
         result = generator.generate(rows, config, keep_logits=True)
         assert np.min(result.pruned_positions) > 0
         assert result.tokens == expected.tokens
@@ -174,7 +176,7 @@ def test_a_pruned_artifact_drafting_for_itself_generates_the_exact_tokens(artifa
     config = GenerationConfig(max_new_tokens=NEW, min_new_tokens=NEW)
     rows = prompts(model.config.vocab_size, 1)
     expected = Generator.open(exact, CPU).generate(rows, config, keep_logits=True)
-    draft = DraftModel(Generator.open(static, CPU), tokens=5)
+    draft = DraftModel(Model.open(static, CPU), tokens=5)
     drafted = dataclasses.replace(config, speculative=draft)
     result = Generator.open(static, CPU).generate(rows, drafted, keep_logits=True)
     assert np.min(result.pruned_positions) > 0 and result.drafts_accepted == result.drafts_proposed > NEW // 2
@@ -204,8 +206,8 @@ def test_a_trained_preset_as_make_export_makes_it_prunes_held_out_text_within_th
     key on the same artifact. Its first layer's heads forget within tens of tokens."""
     artifact = exported("fox-pro-py", "dynamic")[0].path
     generator = Generator.open(artifact, CPU)
-    assert generator.pruning.log_tolerance == TOLERANCE
-    prompt = token_stream(generator.tokenizer.bpe, read_split("test"), 2, longest_first=True)[:2048].tolist()
+    assert generator.model.pruning.log_tolerance == TOLERANCE
+    prompt = token_stream(generator.model.tokenizer.bpe, read_split("test"), 2, longest_first=True)[:2048].tolist()
     config = GenerationConfig(max_new_tokens=64, min_new_tokens=64)
     result = generator.generate([prompt], config, keep_logits=True)
     expected = Generator.open(artifact, CPU, None).generate([prompt], config, keep_logits=True)
@@ -267,7 +269,7 @@ def test_static_artifacts_of_other_attention_graphs_prune_too(artifacts, tmp_pat
 
 def serve(generator: Generator, requests: list[tuple[list[int], GenerationConfig]]) -> list[tuple[list[int], object]]:
     """Each request's tokens and its end, all submitted at once to an engine of as many rows."""
-    engine = Engine(generator, max_batch=len(requests))
+    engine = Engine(generator.model, max_batch=len(requests))
     results, ended = [([], None) for _ in requests], threading.Semaphore(0)
 
     def emit(index: int):
@@ -370,21 +372,22 @@ def test_a_head_that_keeps_more_than_the_slots_ends_the_request_naming_it(unforg
     with pytest.raises(PruningError, match=rf"layer 0 head 3 .* {SLOTS} slots.*--max-cache-len"):
         generator.generate(prompts(512), GenerationConfig(max_new_tokens=NEW))
     # Without pruning the request is refused up front instead
-    with pytest.raises(ArtifactError, match="max_cache_len"):
-        Generator(generator.artifact, None, None).generate(prompts(512), GenerationConfig(max_new_tokens=NEW))
+    with pytest.raises(RequestError, match="max_cache_len"):
+        unpruned = Generator(Model(generator.model.artifact, None, None))
+        unpruned.generate(prompts(512), GenerationConfig(max_new_tokens=NEW))
 
 
 def test_the_manifest_records_the_tolerance_and_bounds_and_the_runtime_may_override_them(artifacts):
     model, static, _, exact = artifacts("fox-tiny")
     generator = Generator.open(exact, CPU)
-    assert generator.pruning is None
-    recorded = generator.artifact.manifest["pruning"]
+    assert generator.model.pruning is None
+    recorded = generator.model.artifact.manifest["pruning"]
     assert recorded["log_pruning_tolerance"] is None
     assert np.allclose(recorded["score_bounds"], score_bounds(model))
-    overridden = Generator.open(exact, CPU, -5.0).pruning
+    overridden = Model.open(exact, CPU, -5.0).pruning
     assert overridden.log_tolerance == -5.0
     assert np.array_equal(overridden.score_bounds, recorded["score_bounds"])
-    assert Generator.open(static, CPU, None).pruning is None
+    assert Model.open(static, CPU, None).pruning is None
 
 
 def test_export_refuses_a_tolerance_it_cannot_prune_with(tmp_path, capsys):

@@ -128,9 +128,11 @@ def test_speculative_decoding_on_it_gives_plain_greedy_tokens(int4_artifact):
     """Runs of a token and its drafts through the int4 weights (MatMulNBits over several rows, not one) choose the
     tokens one a step does, for drafts right and wrong."""
     generator = Generator.open(int4_artifact, SessionOptions(provider="cpu"))
-    prompt = generator.encode("def parse_args(argv):\n    parser = argparse.ArgumentParser()\n    parser.add_argument(")
+    prompt = generator.model.encode(
+        "def parse_args(argv):\n    parser = argparse.ArgumentParser()\n    parser.add_argument("
+    )
     config = GenerationConfig(48, 48)
     plain = generator.generate(prompt, config).tokens
-    drafts = Scripted.of(prompt, plain, lambda row, position: position % 5 != 2, generator.artifact.vocab_size)
+    drafts = Scripted.of(prompt, plain, lambda row, position: position % 5 != 2, generator.model.artifact.vocab_size)
     spoken = generator.generate(prompt, replace(config, speculative=drafts))
     assert spoken.tokens == plain and 0 < spoken.drafts_accepted < spoken.drafts_proposed

@@ -15,7 +15,8 @@ import ray
 from ray import serve
 from test_serve_shutdown import LONG, MEDIUM, SHORT, ended_after, kvg_serve, streamed, wait_for_draining
 
-from runtime.artifact import ArtifactError, SessionOptions
+from runtime.artifact import SessionOptions
+from runtime.errors import ArtifactError
 from runtime.generator import GenerationConfig, Generator
 from runtime.ray_app import DEPLOYMENT, app_builder
 

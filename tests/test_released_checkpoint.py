@@ -160,7 +160,7 @@ def test_the_manifest_says_how_text_is_escaped_and_what_comes_first(artifact, gp
 
 def test_text_prompts_are_fed_as_the_official_tokenizer_gives_them(artifact, gpt2):
     generator = Generator.open(artifact, CPU)
-    assert generator.encode(PROMPTS) == [official_ids(gpt2, prompt) for prompt in PROMPTS]
+    assert generator.model.encode(PROMPTS) == [official_ids(gpt2, prompt) for prompt in PROMPTS]
 
 
 def test_a_tokenizer_json_beside_the_slow_files_gives_the_same_ids(released, gpt2, tmp_path):
@@ -320,7 +320,7 @@ def test_an_escaped_tokens_mask_is_every_token_that_continues_an_answer_escaped(
     token's text begins the escaping of an answer; the end, exactly when it is one. Walked character by character
     along each answer, so a step begins with a backslash pending."""
     generator = Generator.open(artifact, CPU)
-    vocab = generator.artifact.vocab_size
+    vocab = generator.model.artifact.vocab_size
     texts = [gpt2.convert_tokens_to_string([gpt2.convert_ids_to_tokens(i)]) for i in range(vocab)]
     word = max((text for text in texts if text.isalpha()), key=len)  # its first three letters forced, then a choice:
     for answers in (QUOTED, [word + "!", word[:3] + "?"], ['{"name":"x"}']):  # a token writes past the forced text;
@@ -329,10 +329,10 @@ def test_an_escaped_tokens_mask_is_every_token_that_continues_an_answer_escaped(
 
 def check_masks_along(generator: Generator, gpt2: GPT2Tokenizer, answers: list[str], texts: list[str]) -> None:
     end = gpt2.convert_tokens_to_ids(END)
-    grammar = generator.grammar(Constraint.choice(answers))
+    grammar = generator.model.grammar(Constraint.choice(answers))
     escaped = [official_escape(answer) for answer in answers]
     for answer in escaped:
-        matching, written = grammar.start(frozenset(generator.eos)), ""
+        matching, written = grammar.start(frozenset(generator.model.eos)), ""
         for char in [*answer, None]:
             expected = np.array([i != end and any(e.startswith(written + t) for e in escaped) for i, t in
                                  enumerate(texts)])  # fmt: skip

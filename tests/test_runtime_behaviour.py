@@ -12,10 +12,13 @@ import pytest
 import torch
 from conftest import CPU_FP32_ATTENTION
 
+import runtime.generator as generator_module
 from exporters.validate import TOLERANCES
 from kvg_export.presets import load_model
-from runtime.artifact import ArtifactError, SessionOptions
+from runtime.artifact import SessionOptions
 from runtime.cli import main
+from runtime.device_cache import DeviceCache
+from runtime.errors import ArtifactError, RequestError
 from runtime.generator import GenerationConfig, Generator
 from runtime.sampling import SamplingConfig
 
@@ -31,6 +34,19 @@ def static_artifact(exported):
 @pytest.fixture(scope="module")
 def dynamic_artifact(exported):
     return exported("fox-tiny", "dynamic")[0].path
+
+
+@pytest.fixture
+def allocated(monkeypatch) -> list[DeviceCache]:
+    """The caches Generators allocate while the test runs."""
+    made = []
+
+    def counted(*args):
+        made.append(DeviceCache(*args))
+        return made[-1]
+
+    monkeypatch.setattr(generator_module, "DeviceCache", counted)
+    return made
 
 
 @pytest.mark.parametrize("kind", ["static", "dynamic", "static-onnx-attention"])
@@ -55,13 +71,13 @@ def test_on_cuda_in_place_buffers_keep_their_addresses(exported, dtype, cache):
 
 
 def assert_addresses_stay(generator: Generator) -> None:
-    seen = []
+    seen, cache = [], DeviceCache(generator.model.artifact, len(PROMPTS))
 
     def record(_event):
-        seen.append({name: generator.cache.past[name].data_ptr() for name in generator.cache.in_place})
+        seen.append({name: cache.past[name].data_ptr() for name in cache.in_place})
 
-    generator.generate(PROMPTS, GenerationConfig(max_new_tokens=6, min_new_tokens=6), on_token=record)
-    generator.generate(PROMPTS, GenerationConfig(max_new_tokens=4, min_new_tokens=4), on_token=record)
+    generator.generate(PROMPTS, GenerationConfig(max_new_tokens=6, min_new_tokens=6), on_token=record, cache=cache)
+    generator.generate(PROMPTS, GenerationConfig(max_new_tokens=4, min_new_tokens=4), on_token=record, cache=cache)
     assert seen[0] and len(seen) == 3 * (6 + 4) and all(addresses == seen[0] for addresses in seen)
 
 
@@ -239,11 +255,11 @@ def test_the_command_line_prints_generated_text(dynamic_artifact, capsys):
         (dict(prompts=[[5, 512, -1]], config=GenerationConfig(max_new_tokens=2)), r"outside the vocabulary \[0, 512\)"),
     ],
 )
-def test_a_request_that_cannot_run_is_refused_before_any_work(static_artifact, request_kwargs, message):
+def test_a_request_that_cannot_run_is_refused_before_any_work(static_artifact, request_kwargs, message, allocated):
     generator = Generator.open(static_artifact, CPU)
-    with pytest.raises(ArtifactError, match=message):
+    with pytest.raises(RequestError, match=message):
         generator.generate(request_kwargs["prompts"], request_kwargs["config"])
-    assert generator.cache is None  # nothing was allocated
+    assert not allocated  # nothing was allocated
 
 
 def broken_copy(source, tmp_path, damage):
@@ -363,7 +379,9 @@ def test_a_saved_optimized_graph_is_written_once_and_reused(dynamic_artifact, tm
     assert first.generate(PROMPTS, config).tokens == second.generate(PROMPTS, config).tokens == plain.tokens
 
 
-def test_a_prompt_over_a_dynamic_artifacts_configured_limit_is_refused_with_the_fix(dynamic_artifact, tmp_path):
+def test_a_prompt_over_a_dynamic_artifacts_configured_limit_is_refused_with_the_fix(
+    dynamic_artifact, tmp_path, allocated
+):
     """`kvg-export --cache dynamic --max-cache-len N` records a limit the runtime enforces before any work."""
 
     def limit_to_40(folder):
@@ -372,8 +390,8 @@ def test_a_prompt_over_a_dynamic_artifacts_configured_limit_is_refused_with_the_
         (folder / "kvg_config.json").write_text(json.dumps(manifest))
 
     generator = Generator.open(broken_copy(dynamic_artifact, tmp_path, limit_to_40), CPU)
-    with pytest.raises(ArtifactError, match=r"needs 43 cache positions, over this artifact's max_cache_len 40; .*"
+    with pytest.raises(RequestError, match=r"needs 43 cache positions, over this artifact's max_cache_len 40; .*"
                        "--max-cache-len"):  # fmt: skip
         generator.generate([list(range(3, 37))], GenerationConfig(max_new_tokens=10))
-    assert generator.cache is None
+    assert not allocated
     assert len(generator.generate([list(range(3, 37))], GenerationConfig(max_new_tokens=7)).tokens[0]) == 7

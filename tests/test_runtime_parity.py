@@ -13,7 +13,8 @@ from exporters.references import eager_generate
 from exporters.validate import TOLERANCES, greedy_disagreement
 from kvg_export.presets import load_model
 from runtime.artifact import SessionOptions
-from runtime.generator import RESERVED_NEW_TOKENS, GenerationConfig, Generator
+from runtime.device_cache import RESERVED_NEW_TOKENS, DeviceCache
+from runtime.generator import GenerationConfig, Generator
 
 PRESETS = ("fox-tiny", "fox-pro-tiny", "fox-gqa-tiny", "fox-small", "fox-py", "fox-pro-py")
 NEW_TOKENS = 32
@@ -81,7 +82,7 @@ def check_parity(exported, preset, cache, prompt_kind, provider, attention="auto
     prompts = random_prompts(PROMPTS[prompt_kind], model.config.vocab_size, seed=len(preset))
     want_tokens, want_logits = eager_generate(model, prompts, new_tokens)
     generator = Generator.open(result.path, SessionOptions(provider=provider))
-    assert generator.artifact.device == provider
+    assert generator.model.artifact.device == provider
     config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens)
     got = generator.generate(prompts, config, keep_logits=True)
     assert greedy_disagreement(got.tokens, want_tokens, got.step_logits, want_logits, manifest["dtype"]) is None
@@ -96,20 +97,22 @@ def test_a_static_artifact_fills_its_buffer_to_the_last_slot(exported):
 
 def test_a_dynamic_generation_outgrowing_its_first_buffers_generates_what_eager_generates(exported):
     """A gqa dynamic artifact's key, value and gate buffers are doubled mid-generation, keeping what they hold."""
-    generator = assert_generates_what_eager_generates(
+    cache = assert_generates_what_eager_generates(
         exported("fox-tiny", "dynamic")[0].path, [5, 11], RESERVED_NEW_TOKENS + 40
     )
-    assert generator.cache.length == 2 * (11 + RESERVED_NEW_TOKENS)
+    assert cache.length == 2 * (11 + RESERVED_NEW_TOKENS)
 
 
-def assert_generates_what_eager_generates(path, prompt_lengths, new_tokens) -> Generator:
+def assert_generates_what_eager_generates(path, prompt_lengths, new_tokens) -> DeviceCache:
+    """Returns the cache the generation ran in."""
     model = load_model("fox-tiny")
     prompts = random_prompts(prompt_lengths, model.config.vocab_size, seed=3)
     want_tokens, want_logits = eager_generate(model, prompts, new_tokens)
     generator = Generator.open(path, SessionOptions(provider="cpu"))
     config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens)
-    got = generator.generate(prompts, config, keep_logits=True)
+    cache = DeviceCache(generator.model.artifact, len(prompts))
+    got = generator.generate(prompts, config, keep_logits=True, cache=cache)
     assert got.tokens == want_tokens
     worst = max(float(np.abs(g - w).max()) for g, w in zip(got.step_logits, want_logits, strict=True))
     assert worst < TOLERANCES["float32"]
-    return generator
+    return cache

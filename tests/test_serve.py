@@ -47,7 +47,7 @@ def serving(
 ):  # fmt: skip
     """A server on a loopback port of its own, in a thread; yields (base url, engine). `engine_options` go to the
     Engine, `app_options` to create_app."""
-    engine = Engine(generator, max_batch, max_queue, timeout_s, **(engine_options or {}))
+    engine = Engine(generator.model, max_batch, max_queue, timeout_s, **(engine_options or {}))
     sock = free_socket()
     server = uvicorn.Server(uvicorn.Config(create_app(engine, MODEL, **app_options), log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -93,11 +93,11 @@ def streamed_text(url: str, route: str, body: dict) -> tuple[str, str]:
 def alone(generator: Generator, prompt: list[int], max_tokens: int, sampling=GREEDY, min_tokens: int = 0):
     """(tokens, text, finish reason) of the prompt run by itself through the Generator."""
     result = generator.generate([prompt], GenerationConfig(max_tokens, min_tokens, sampling=sampling))
-    return result.tokens[0], generator.tokenizer.decode(result.tokens[0]), result.finish_reasons[0]
+    return result.tokens[0], generator.model.tokenizer.decode(result.tokens[0]), result.finish_reasons[0]
 
 
 def encode(generator: Generator, text: str) -> list[int]:
-    return generator.tokenizer.encode(text)
+    return generator.model.tokenizer.encode(text)
 
 
 def test_completions_of_text_and_token_prompts_equal_each_prompt_alone(server, generator):
@@ -157,7 +157,7 @@ def test_a_stream_is_the_same_text_in_pieces_then_usage_and_done(server, generat
 def test_tokens_that_arrive_together_make_one_delta_unless_log_probabilities_are_asked():
     """A step that accepted drafts, or steps the event loop fell behind on, make one chunk (as vLLM sends what a step
     made); asked for log-probabilities, each token keeps a delta of its own. Text before a failure still goes out."""
-    state = ServerState(SimpleNamespace(generator=SimpleNamespace(tokenizer=None)), MODEL)
+    state = ServerState(SimpleNamespace(model=SimpleNamespace(tokenizer=None)), MODEL)
 
     def token(text: str, logprobs: int | None) -> Decoded:
         return Decoded(Token(ord(text), TokenLogprob(ord(text), -1.0) if logprobs else None), text)
@@ -373,7 +373,9 @@ def test_kvg_serve_serves_a_static_artifact_and_refuses_what_it_cannot(exported,
 
     with free_socket() as sock:
         port = sock.getsockname()[1]  # free now; the server binds it below
-    process = run_cli(str(generator.artifact.folder), "--port", str(port), "--max-batch", "2", "--provider", "cpu")
+    process = run_cli(
+        str(generator.model.artifact.folder), "--port", str(port), "--max-batch", "2", "--provider", "cpu"
+    )
     try:
         url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 60
         while True:

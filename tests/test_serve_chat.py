@@ -60,7 +60,7 @@ def test_a_chat_answer_is_the_completion_of_the_template_rendered_prompt(server)
 def test_the_rendered_prompt_begins_with_the_templates_bos_as_its_special_token(server):
     url, engine = server
     prompt_tokens = chat(url, max_tokens=1)["usage"]["prompt_tokens"]
-    ids = engine.generator.tokenizer.encode(RENDERED, bos=False)
+    ids = engine.model.tokenizer.encode(RENDERED, bos=False)
     assert prompt_tokens == len(ids) and ids[0] == 1
 
 
@@ -68,7 +68,7 @@ def test_max_completion_tokens_is_max_tokens_and_without_either_the_answer_may_f
     url, engine = server
     tokens = chat(url, max_completion_tokens=7, temperature=0)["choices"][0]["token_ids"]
     assert tokens == completion(url, max_tokens=7, temperature=0)["choices"][0]["token_ids"]
-    prompt = len(engine.generator.tokenizer.encode(RENDERED, bos=False))
+    prompt = len(engine.model.tokenizer.encode(RENDERED, bos=False))
     unbounded = chat(url, temperature=0)["choices"][0]["token_ids"]
     rest = engine.cache.length - prompt + 1  # the last new token is never fed back
     assert unbounded == completion(url, max_tokens=rest, temperature=0)["choices"][0]["token_ids"]
@@ -167,7 +167,7 @@ def test_a_chat_answer_stops_at_the_tokenizer_configs_eos_token(server, exported
     at = next(i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i])  # its first appearance, not the first
     folder = tmp_path / "fox-tiny-chat-eos"
     shutil.copytree(exported("fox-tiny", "static")[0].path, folder)
-    eos = engine.generator.tokenizer.bpe.id_to_token(tokens[at])
+    eos = engine.model.tokenizer.bpe.id_to_token(tokens[at])
     (folder / "tokenizer_config.json").write_text(
         json.dumps({"bos_token": BOS, "eos_token": eos, "chat_template": TEMPLATE})
     )

@@ -14,8 +14,8 @@ from starlette.testclient import TestClient
 from test_serve import CPU, MODEL, client, serving
 
 from runtime import serve_cli
-from runtime.artifact import ArtifactError
 from runtime.drain import DrainingServer
+from runtime.errors import RequestError
 from runtime.generator import Generator
 from runtime.server import ServeOptions
 
@@ -136,7 +136,7 @@ def test_kvg_serve_takes_the_key_from_its_flag_else_from_kvg_api_key(generator, 
         monkeypatch.delenv("KVG_API_KEY", raising=False)
     else:
         monkeypatch.setenv("KVG_API_KEY", environment)
-    folder = str(generator.artifact.folder)
+    folder = str(generator.model.artifact.folder)
     for flags, key in [((), environment), (("--api-key", "sk-from-flag"), "sk-from-flag")]:
         assert serve_cli.main([folder, "--provider", "cpu", "--max-body-bytes", "4096", *flags]) == 0
         with TestClient(served.pop()) as http:
@@ -147,13 +147,13 @@ def test_kvg_serve_takes_the_key_from_its_flag_else_from_kvg_api_key(generator, 
 
 
 def test_serve_options_keep_the_key_out_of_their_repr(generator):
-    assert KEY not in repr(ServeOptions(str(generator.artifact.folder), api_key=KEY))
+    assert KEY not in repr(ServeOptions(str(generator.model.artifact.folder), api_key=KEY))
 
 
 def test_an_empty_key_or_a_limit_below_one_byte_is_refused(generator):
-    folder = str(generator.artifact.folder)
+    folder = str(generator.model.artifact.folder)
     for options in [ServeOptions(folder, api_key=""), ServeOptions(folder, max_body_bytes=0)]:
-        with pytest.raises(ArtifactError, match="--api-key must not be empty and --max-body-bytes must be >= 1"):
+        with pytest.raises(RequestError, match="--api-key must not be empty and --max-body-bytes must be >= 1"):
             options.check()
 
 
@@ -181,7 +181,7 @@ class LoopWatched:
 
 def test_no_tokenizing_or_detokenizing_runs_on_the_event_loop(exported):
     generator = Generator.open(exported("fox-tiny", "static")[0].path, CPU)
-    watched = generator.tokenizer = LoopWatched(generator.tokenizer)
+    watched = generator.model.tokenizer = LoopWatched(generator.model.tokenizer)
     body = {"prompt": ["def main():\n", "import os"], "max_tokens": 12, "temperature": 0, "logprobs": 2,
             "echo": True, "stop": ["zzz"]}  # fmt: skip
     with serving(generator) as (url, _engine):

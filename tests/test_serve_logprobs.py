@@ -17,7 +17,7 @@ PROMPTS = [[5, 17, 33, 2, 40, 41, 9], [70, 3, 3, 12], [8, 100, 54, 61, 6, 23, 19
 def server(exported):
     generator = Generator.open(exported("fox-tiny", "static")[0].path, CPU)
     with serving(generator) as (url, _engine):
-        yield url, generator.tokenizer
+        yield url, generator.model.tokenizer
 
 
 @pytest.fixture(scope="module")

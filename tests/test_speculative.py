@@ -9,7 +9,8 @@ from scripted_drafts import DRAFTS, Scripted
 from test_chunked_prefill import assert_float32_close
 
 from runtime import cli
-from runtime.artifact import ArtifactError, SessionOptions
+from runtime.artifact import SessionOptions
+from runtime.errors import RequestError
 from runtime.generator import GenerationConfig, Generator
 from runtime.prompt_lookup import LATEST, PromptLookup
 from runtime.sampling import SamplingConfig
@@ -47,13 +48,17 @@ def test_drafts_verified_in_one_run_choose_plain_decodings_tokens(exported, kind
     each token was chosen from are plain decoding's too."""
     preset, cache, attention = kind
     generator = Generator.open(exported(preset, cache, attention=attention)[0].path, CPU, None)
-    rows = prompts(generator.artifact.vocab_size)[1:] if attention == "gqa" else prompts(generator.artifact.vocab_size)
+    rows = (
+        prompts(generator.model.artifact.vocab_size)[1:]
+        if attention == "gqa"
+        else prompts(generator.model.artifact.vocab_size)
+    )
     unstopped = generator.generate(rows, GenerationConfig(max_new_tokens=NEW, min_new_tokens=NEW)).tokens
     stop = unstopped[0][NEW // 3]
     config = GenerationConfig(max_new_tokens=NEW, stop_tokens=(stop,))
     plain = generator.generate(rows, config, keep_logits=True)
     assert len(plain.tokens[0]) < NEW and (len(rows) == 1 or len(plain.tokens[1]) == NEW)  # row 1 did not stop
-    drafts = Scripted.of(rows, plain.tokens, RIGHT[right], generator.artifact.vocab_size)
+    drafts = Scripted.of(rows, plain.tokens, RIGHT[right], generator.model.artifact.vocab_size)
     spoken = generator.generate(rows, GenerationConfig(NEW, stop_tokens=(stop,), speculative=drafts), keep_logits=True)
     assert spoken.tokens == plain.tokens and spoken.finish_reasons == plain.finish_reasons
     assert len(spoken.step_logits) == len(plain.step_logits)
@@ -73,10 +78,10 @@ def test_sampled_drafts_choose_the_tokens_a_seeded_plain_run_samples(exported):
     gives it, and the sample is the token chosen otherwise: so each token chosen takes one draw, as in plain
     decoding, and a seeded run repeats plain decoding's tokens."""
     generator = Generator.open(exported("fox-pro-tiny", "dynamic")[0].path, CPU, None)
-    rows = prompts(generator.artifact.vocab_size)
+    rows = prompts(generator.model.artifact.vocab_size)
     sampling = SamplingConfig(temperature=1.0, top_k=50, seed=11)
     plain = generator.generate(rows, GenerationConfig(NEW, NEW, sampling=sampling))
-    drafts = Scripted.of(rows, plain.tokens, RIGHT["mixed"], generator.artifact.vocab_size)
+    drafts = Scripted.of(rows, plain.tokens, RIGHT["mixed"], generator.model.artifact.vocab_size)
     spoken = generator.generate(rows, GenerationConfig(NEW, NEW, sampling=sampling, speculative=drafts))
     assert spoken.tokens == plain.tokens and 0 < spoken.drafts_accepted < spoken.drafts_proposed
 
@@ -148,5 +153,5 @@ def test_bad_speculation_settings_are_refused_naming_them(exported, capsys):
     assert cli.main([artifact, "--ids", "5,6,7", "--speculative", "ngram", "--draft-tokens", "0"]) == 2
     assert "--draft-tokens" in capsys.readouterr().err
     gqa = Generator.open(exported("fox-tiny", "dynamic", attention="gqa")[0].path, CPU)
-    with pytest.raises(ArtifactError, match="GroupQueryAttention takes for one row only"):
+    with pytest.raises(RequestError, match="GroupQueryAttention takes for one row only"):
         gqa.generate([[5, 6], [7, 8]], GenerationConfig(speculative=PromptLookup()))

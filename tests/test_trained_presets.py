@@ -58,7 +58,7 @@ def test_a_trained_preset_exports_and_the_runtime_continues_python_as_eager_does
     artifact = exported(preset, cache)[0].path
     generator = Generator.open(artifact, SessionOptions(provider="cpu"))
     got = generator.generate(PROMPT, GenerationConfig(max_new_tokens=32))
-    ids = torch.tensor([generator.tokenizer.encode(PROMPT)])
+    ids = torch.tensor([generator.model.tokenizer.encode(PROMPT)])
     with torch.no_grad():
         want = load_model(preset).generate(ids, max_new_tokens=32, do_sample=False, pad_token_id=0)
     assert got.tokens[0] == want[0, ids.shape[1] :].tolist()
