@@ -41,8 +41,21 @@ FORMAT_VERSION = 2  # 2: a static graph's attention_mask is the attention window
 DEFAULT_OPSET = 20
 DYNAMIC_MAX_POSITIONS = 1 << 16  # the most positions a dynamic graph is traced for
 
-# The fused FoX attention operator (exporters/native/): its node's domain, type and version
+# The fused FoX attention operator (exporters/native/fox_attention.cc holds its contract): its node's domain, type
+# and version, and its inputs and outputs in the node's order. The C++ op's `Input` and `Output` enums spell the same
+# names (tests/test_fused_attention.py holds them equal); the exporter's schema, its passes, the tests and the bench
+# read these.
 OP_DOMAIN, OP_NAME, OP_VERSION = "kvg.fox", "FoxAttention", 3
+OP_PRO_INPUTS = ("key_shift_logits", "past_key_shift", "value_shift_logits", "past_value_shift", "query_norm",
+                 "key_norm", "output_norm", "output_gate_logits")  # FoX-Pro's, each optional  # fmt: skip
+OP_INPUTS = ("query", "key", "value", "gate_logits", "gate_bias", "past_key", "past_value", "past_gate",
+             ATTENTION_MASK, CACHE_POSITION, "window_starts", *OP_PRO_INPUTS)  # fmt: skip
+OP_INTEGER_INPUTS = (ATTENTION_MASK, CACHE_POSITION, "window_starts")  # int64; every other input is float
+# The inputs the attribute packed_offsets places in the node's joined projection, in its order
+OP_PACKED_INPUTS = ("query", "key", "value", "gate_logits", "key_shift_logits", "value_shift_logits",
+                    "output_gate_logits")  # fmt: skip
+OP_OUTPUTS = ("output", "present_key", "present_value", "present_gate", "present_key_shift", "present_value_shift",
+              "key_shift_states", "value_shift_states")  # fmt: skip
 
 
 def past_of(present: str) -> str:
