@@ -423,18 +423,39 @@ struct Scratch {
 };
 thread_local Scratch scratch;
 
-// One task: queries [first, last) of (row, head), keys of part `split` of its window, in blocks of kKeyBlock with
-// a running softmax per query
-void attend(Problem& p, int64_t task) {
-  const int64_t split = task % p.splits;
-  int64_t rest = task / p.splits;
+// One task's share of the attention: queries [first, first + count) of (row, head), and the keys [key_begin, key_end)
+// of part `split` of their window
+struct Task {
+  int64_t row, head, split, first, count, key_begin, key_end;
+};
+
+// A task's working memory laid out: the running softmax of each query (its maximum, its sum and its D accumulators)
+// over its rows, a chunk's queries and zero rows up to a multiple of kTileRows; a decode step's one query, or a few (a
+// token and its drafts), read each key and value row from L1 instead, sparing the block's transposition
+struct Tiles {
+  bool tiled;
+  int64_t rows;
+  float* queries;  // scaled
+  float* acc;
+  float* transposed;
+  float* scores;  // a row per query, its weights once exponentiated
+  float* maxima;
+  float* totals;
+  float* decay;     // a block's gate sums from its first slot
+  int64_t* seen_by;  // how many of a block's keys each query reads (0: none it may attend)
+};
+
+// Task `index`'s queries and keys: from the first slot any of its queries may attend (a row's padding and the slots
+// before its prompt are skipped, so a row reads its own window however long the others' are) to the latest it reads,
+// cut into p.splits parts
+Task task_of(const Problem& p, int64_t index) {
+  const int64_t split = index % p.splits;
+  int64_t rest = index / p.splits;
   const int64_t block = rest % p.query_blocks;
   rest /= p.query_blocks;
   const int64_t head = rest % p.heads, row = rest / p.heads;
-  const int64_t first = block * kQueryBlock, last = std::min(p.seq, first + kQueryBlock), count = last - first;
-  const int64_t dim = p.dim, kv_head = head / p.group(), start = p.start(head), own = p.own_window(head);
-  // The block's keys: from the first slot any of its queries may attend (a row's padding and the slots before its
-  // prompt are skipped, so a row reads its own window however long the others' are) to the latest it reads
+  const int64_t first = block * kQueryBlock, last = std::min(p.seq, first + kQueryBlock);
+  const int64_t start = p.start(head), own = p.own_window(head);
   int64_t oldest = own, newest = 0;
   for (int64_t i = first; i < last; ++i) {
     const int64_t end = std::min(own, p.positions[i] - start + 1);
@@ -443,124 +464,168 @@ void attend(Problem& p, int64_t task) {
   }
   const int64_t part = (std::max<int64_t>(newest - oldest, 0) + p.splits - 1) / p.splits;
   const int64_t key_begin = oldest + split * part;
-  const int64_t key_end = std::min(newest, key_begin + part);
+  return Task{row, head, split, first, last - first, key_begin, std::min(newest, key_begin + part)};
+}
 
-  // A chunk's scores and value sums in register tiles, over its queries and zero rows up to a multiple of kTileRows; a
-  // decode step's one query, or a few (a token and its drafts), read each key and value row from L1 instead, sparing
-  // the block's transposition
-  const bool tiled = count > kRowQueries;
-  const int64_t rows = tiled ? (count + kTileRows - 1) / kTileRows * kTileRows : count;
+// The task's working memory from the thread's scratch: its queries scaled, the running softmaxes empty
+Tiles tiles_for(const Problem& p, const Task& t) {
+  const int64_t dim = p.dim, count = t.count;
+  Tiles w;
+  w.tiled = count > kRowQueries;
+  w.rows = w.tiled ? (count + kTileRows - 1) / kTileRows * kTileRows : count;
+  const int64_t rows = w.rows;
   scratch.floats.resize(2 * rows * dim + dim * kKeyBlock + rows * kKeyBlock + 2 * rows + kKeyBlock);
   scratch.seen.resize(count);
-  float* queries = scratch.floats.data();  // scaled
-  float* acc = queries + rows * dim;
-  float* transposed = acc + rows * dim;
-  float* scores = transposed + dim * kKeyBlock;  // a row per query, its weights once exponentiated
-  float* maxima = scores + rows * kKeyBlock;
-  float* totals = maxima + rows;
-  float* decay = totals + rows;  // a block's gate sums from its first slot
-  std::fill(queries, queries + 2 * rows * dim, 0.0f);
-  std::fill(maxima, maxima + rows, kNegInf);
-  std::fill(totals, totals + rows, 0.0f);
+  w.queries = scratch.floats.data();
+  w.acc = w.queries + rows * dim;
+  w.transposed = w.acc + rows * dim;
+  w.scores = w.transposed + dim * kKeyBlock;
+  w.maxima = w.scores + rows * kKeyBlock;
+  w.totals = w.maxima + rows;
+  w.decay = w.totals + rows;
+  w.seen_by = scratch.seen.data();
+  std::fill(w.queries, w.queries + 2 * rows * dim, 0.0f);
+  std::fill(w.maxima, w.maxima + rows, kNegInf);
+  std::fill(w.totals, w.totals + rows, 0.0f);
   for (int64_t i = 0; i < count; ++i) {
-    const float* q = p.query + ((row * p.seq + first + i) * p.heads + head) * dim;
-    for (int64_t d = 0; d < dim; ++d) queries[i * dim + d] = q[d] * p.scale;
+    const float* q = p.query + ((t.row * p.seq + t.first + i) * p.heads + t.head) * dim;
+    for (int64_t d = 0; d < dim; ++d) w.queries[i * dim + d] = q[d] * p.scale;
   }
-  const float* keys = p.keys_of(row, kv_head);
-  const float* values = p.values_of(row, kv_head);
-  const double* sums = p.sums.data() + (row * p.heads + head) * p.length;
-  int64_t* seen_by = scratch.seen.data();  // how many of a block's keys each query reads (0: none it may attend)
+  return w;
+}
 
+// How many of the block's keys [begin, begin + width) each query reads; whether any query may attend one (a block
+// none may, a gap in a row's window holding other rows' slots, is skipped)
+bool see_block(const Problem& p, const Task& t, const Tiles& w, int64_t begin, int64_t width) {
+  const int64_t start = p.start(t.head), own = p.own_window(t.head);
+  bool any = false;
+  for (int64_t i = 0; i < t.count; ++i) {
+    const int64_t seen = std::min(width, std::min(own, p.positions[t.first + i] - start + 1) - begin);
+    w.seen_by[i] = seen > 0 && p.first_seen(t.row, t.first + i, start, begin, begin + seen) < begin + seen ? seen : 0;
+    any = any || w.seen_by[i] > 0;
+  }
+  return any;
+}
+
+// The block's scaled scores into w.scores: a small matrix product over the transposed keys for a chunk, the keys
+// read row by row for a few queries
+void score_block(const Problem& p, const Task& t, const Tiles& w, const float* block_keys, int64_t width) {
+  const int64_t dim = p.dim;
+  if (w.tiled) {
+    const int64_t padded = (width + 15) / 16 * 16;
+    for (int64_t j = 0; j < padded; ++j)  // read along the keys' rows; the writes' lines stay in L1
+      for (int64_t d = 0; d < dim; ++d) w.transposed[d * kKeyBlock + j] = j < width ? block_keys[j * dim + d] : 0.0f;
+    tile_product<false, 0, kKeyBlock, kKeyBlock>(w.queries, w.transposed, w.rows, dim, padded, w.scores, dim);
+  } else {
+    score_rows(w.queries, t.count, block_keys, *std::max_element(w.seen_by, w.seen_by + t.count), dim, w.scores);
+  }
+}
+
+// The block's scores made weights: the decay added, the slots a query may not attend masked, and each query's
+// running maximum and sum brought up to date (its accumulators rescaled); whether any query gives a key a weight above
+// 0 (else the block's values are not read)
+bool weigh_block(const Problem& p, const Task& t, const Tiles& w, int64_t begin, int64_t width) {
+  const int64_t dim = p.dim, start = p.start(t.head);
+  const double* sums = p.sums.data() + (t.row * p.heads + t.head) * p.length;
+  // The block's gate sums from its first slot, each rounded once from double: a query's decay to key j is then
+  // its own sum less key j's, both small where the weights are not
+  const int64_t* real = p.real_of(t.row) + start + begin;
+  const bool all_real = std::find(real, real + width, 0) == real + width;
+#pragma omp simd
+  for (int64_t j = 0; j < width; ++j) w.decay[j] = static_cast<float>(sums[begin + j] - sums[begin]);
+  bool weighed = false;
+  for (int64_t i = 0; i < w.rows; ++i) {  // each query's weights, its running maximum and sum brought up to date
+    float* weights = w.scores + i * kKeyBlock;
+    const int64_t seen = i < t.count ? w.seen_by[i] : 0;
+    const int64_t mine = i < t.count ? p.positions[t.first + i] - start : 0;  // the query's own slot
+    const float at_query = seen > 0 ? static_cast<float>(sums[mine] - sums[begin]) : 0.0f;
+#pragma omp simd
+    for (int64_t j = 0; j < seen; ++j) weights[j] += at_query - w.decay[j];
+    if (!all_real)
+      for (int64_t j = 0; j < seen; ++j)  // a padding query attends its own slot alone
+        weights[j] = real[j] || begin + j == mine ? weights[j] : kNegInf;
+    const float block_max = largest(weights, seen);
+    // Nothing to attend, or every weight below the running maximum by more than exp_approx resolves: all 0, and
+    // the maximum, sum and values stay as they are
+    if (block_max == kNegInf || block_max - w.maxima[i] < kExpUnderflow) {
+      std::fill(weights, weights + width, 0.0f);
+      continue;
+    }
+    weighed = true;
+    const float new_max = std::max(w.maxima[i], block_max);
+    const float correction = w.maxima[i] == kNegInf ? 0.0f : exp_approx(w.maxima[i] - new_max);
+    float block_sum = 0.0f;
+#pragma omp simd reduction(+ : block_sum)
+    for (int64_t j = 0; j < seen; ++j) {
+      weights[j] = exp_approx(weights[j] - new_max);
+      block_sum += weights[j];
+    }
+    std::fill(weights + seen, weights + width, 0.0f);
+    w.totals[i] = w.totals[i] * correction + block_sum;
+    w.maxima[i] = new_max;
+    for (int64_t d = 0; d < dim; ++d) w.acc[i * dim + d] *= correction;
+  }
+  return weighed;
+}
+
+// The block's values, each times its weight, added to the queries' accumulators
+void add_values(const Problem& p, const Task& t, const Tiles& w, const float* block_values, int64_t width) {
+  const int64_t dim = p.dim;
+  if (!w.tiled) {
+    value_rows(w.scores, t.count, block_values, *std::max_element(w.seen_by, w.seen_by + t.count), dim, w.acc);
+  } else if (dim % 16 == 0) {
+    tile_product<true, kKeyBlock, 0, 0>(w.scores, block_values, w.rows, width, dim, w.acc, dim);
+  } else {
+    for (int64_t i = 0; i < t.count; ++i)
+      for (int64_t j = 0; j < width; ++j) {
+        const float weight = w.scores[i * kKeyBlock + j];
+        if (weight == 0.0f) continue;
+        const float* v = block_values + j * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) w.acc[i * dim + d] += weight * v[d];
+      }
+  }
+}
+
+// Each query's output, its accumulators over its sum; or, split-K, its maximum, sum and accumulators for `merge`
+void write_out(Problem& p, const Task& t, const Tiles& w) {
+  const int64_t dim = p.dim;
+  for (int64_t i = 0; i < t.count; ++i) {
+    const int64_t query = t.first + i;
+    if (p.splits == 1) {
+      float* out = p.out + ((t.row * p.seq + query) * p.heads + t.head) * dim;
+      const float inverse = w.totals[i] > 0.0f ? 1.0f / w.totals[i] : 0.0f;
+      for (int64_t d = 0; d < dim; ++d) out[d] = w.acc[i * dim + d] * inverse;
+    } else {
+      float* slot = p.partial.data() + (((t.row * p.heads + t.head) * p.seq + query) * p.splits + t.split) * (dim + 2);
+      slot[0] = w.maxima[i];
+      slot[1] = w.totals[i];
+      std::memcpy(slot + 2, w.acc + i * dim, dim * sizeof(float));
+    }
+  }
+}
+
+// One task (`task_of`): its working memory laid out (`tiles_for`), then its keys in blocks of kKeyBlock, each block
+// seen (`see_block`), scored (`score_block`), weighed into a running softmax per query (`weigh_block`) and its values
+// added (`add_values`); then its outputs written (`write_out`)
+void attend(Problem& p, int64_t index) {
+  const Task t = task_of(p, index);
+  const Tiles w = tiles_for(p, t);
+  const float* keys = p.keys_of(t.row, t.head / p.group());
+  const float* values = p.values_of(t.row, t.head / p.group());
   // The newest block first: its keys decay least, so a query's running maximum is at once near its final one, and an
   // older block whose every weight then rounds to 0 skips its exponentials and its values. The rest follow oldest
   // first, the order the memory prefetcher streams best (newest to oldest measured 12% slower at 16k keys).
-  const int64_t blocks = (std::max<int64_t>(key_end - key_begin, 0) + kKeyBlock - 1) / kKeyBlock;
+  const int64_t blocks = (std::max<int64_t>(t.key_end - t.key_begin, 0) + kKeyBlock - 1) / kKeyBlock;
   for (int64_t step = 0; step < blocks; ++step) {
-    const int64_t begin = key_begin + (step == 0 ? blocks - 1 : step - 1) * kKeyBlock;
-    const int64_t width = std::min(kKeyBlock, key_end - begin);
-    bool any = false;  // a block no query may attend (a gap in a row's window: other rows' slots) is skipped
-    for (int64_t i = 0; i < count; ++i) {
-      const int64_t seen = std::min(width, std::min(own, p.positions[first + i] - start + 1) - begin);
-      seen_by[i] = seen > 0 && p.first_seen(row, first + i, start, begin, begin + seen) < begin + seen ? seen : 0;
-      any = any || seen_by[i] > 0;
-    }
-    if (!any) continue;
-    const float* block_keys = keys + begin * dim;
-    const float* block_values = values + begin * dim;
-    if (tiled) {  // the scores as a small matrix product over the transposed keys
-      const int64_t padded = (width + 15) / 16 * 16;
-      for (int64_t j = 0; j < padded; ++j)  // read along the keys' rows; the writes' lines stay in L1
-        for (int64_t d = 0; d < dim; ++d) transposed[d * kKeyBlock + j] = j < width ? block_keys[j * dim + d] : 0.0f;
-      tile_product<false, 0, kKeyBlock, kKeyBlock>(queries, transposed, rows, dim, padded, scores, dim);
-    } else {
-      score_rows(queries, count, block_keys, *std::max_element(seen_by, seen_by + count), dim, scores);
-    }
-    // The block's gate sums from its first slot, each rounded once from double: a query's decay to key j is then
-    // its own sum less key j's, both small where the weights are not
-    const int64_t* real = p.real_of(row) + start + begin;
-    const bool all_real = std::find(real, real + width, 0) == real + width;
-#pragma omp simd
-    for (int64_t j = 0; j < width; ++j) decay[j] = static_cast<float>(sums[begin + j] - sums[begin]);
-    bool weighed = false;  // whether any query gives a key of the block a weight above 0
-    for (int64_t i = 0; i < rows; ++i) {  // each query's weights, its running maximum and sum brought up to date
-      float* weights = scores + i * kKeyBlock;
-      const int64_t seen = i < count ? seen_by[i] : 0;
-      const int64_t mine = i < count ? p.positions[first + i] - start : 0;  // the query's own slot
-      const float at_query = seen > 0 ? static_cast<float>(sums[mine] - sums[begin]) : 0.0f;
-#pragma omp simd
-      for (int64_t j = 0; j < seen; ++j) weights[j] += at_query - decay[j];
-      if (!all_real)
-        for (int64_t j = 0; j < seen; ++j)  // a padding query attends its own slot alone
-          weights[j] = real[j] || begin + j == mine ? weights[j] : kNegInf;
-      const float block_max = largest(weights, seen);
-      // Nothing to attend, or every weight below the running maximum by more than exp_approx resolves: all 0, and
-      // the maximum, sum and values stay as they are
-      if (block_max == kNegInf || block_max - maxima[i] < kExpUnderflow) {
-        std::fill(weights, weights + width, 0.0f);
-        continue;
-      }
-      weighed = true;
-      const float new_max = std::max(maxima[i], block_max);
-      const float correction = maxima[i] == kNegInf ? 0.0f : exp_approx(maxima[i] - new_max);
-      float block_sum = 0.0f;
-#pragma omp simd reduction(+ : block_sum)
-      for (int64_t j = 0; j < seen; ++j) {
-        weights[j] = exp_approx(weights[j] - new_max);
-        block_sum += weights[j];
-      }
-      std::fill(weights + seen, weights + width, 0.0f);
-      totals[i] = totals[i] * correction + block_sum;
-      maxima[i] = new_max;
-      for (int64_t d = 0; d < dim; ++d) acc[i * dim + d] *= correction;
-    }
-    if (!weighed) continue;
-    if (!tiled) {
-      value_rows(scores, count, block_values, *std::max_element(seen_by, seen_by + count), dim, acc);
-    } else if (dim % 16 == 0) {
-      tile_product<true, kKeyBlock, 0, 0>(scores, block_values, rows, width, dim, acc, dim);
-    } else {
-      for (int64_t i = 0; i < count; ++i)
-        for (int64_t j = 0; j < width; ++j) {
-          const float w = scores[i * kKeyBlock + j];
-          if (w == 0.0f) continue;
-          const float* v = block_values + j * dim;
-#pragma omp simd
-          for (int64_t d = 0; d < dim; ++d) acc[i * dim + d] += w * v[d];
-        }
-    }
+    const int64_t begin = t.key_begin + (step == 0 ? blocks - 1 : step - 1) * kKeyBlock;
+    const int64_t width = std::min(kKeyBlock, t.key_end - begin);
+    if (!see_block(p, t, w, begin, width)) continue;
+    score_block(p, t, w, keys + begin * p.dim, width);
+    if (!weigh_block(p, t, w, begin, width)) continue;
+    add_values(p, t, w, values + begin * p.dim, width);
   }
-  for (int64_t i = 0; i < count; ++i) {
-    if (p.splits == 1) {
-      float* out = p.out + ((row * p.seq + first + i) * p.heads + head) * dim;
-      const float inverse = totals[i] > 0.0f ? 1.0f / totals[i] : 0.0f;
-      for (int64_t d = 0; d < dim; ++d) out[d] = acc[i * dim + d] * inverse;
-    } else {
-      float* slot = p.partial.data() + (((row * p.heads + head) * p.seq + first + i) * p.splits + split) * (dim + 2);
-      slot[0] = maxima[i];
-      slot[1] = totals[i];
-      std::memcpy(slot + 2, acc + i * dim, dim * sizeof(float));
-    }
-  }
+  write_out(p, t, w);
 }
 
 // Split-K: one query's parts, merged by their maxima
