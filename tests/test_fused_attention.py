@@ -12,7 +12,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from exporters.native_library import SOURCE, NativeUnavailable, build
+from exporters.native_library import SOURCE, NativeUnavailable, build, library_version, manifest_entry
 from runtime.contract import (
     OP_DOMAIN,
     OP_INPUTS,
@@ -39,7 +39,8 @@ def library():
 
 
 def _session(
-    library, heads: int, kv_heads: int, names: list[str] = NAMES, outputs: list[str] = OUTPUTS, **attributes
+    library, heads: int, kv_heads: int, names: list[str] = NAMES, outputs: list[str] = OUTPUTS,
+    version: int = OP_VERSION, **attributes
 ) -> ort.InferenceSession:  # fmt: skip
     ranks = {"query": 3, "key": 3, "value": 3, "gate_logits": 3, "gate_bias": 1, "past_key": 4, "past_value": 4,
              "past_gate": 3, "attention_mask": 2, "cache_position": 1, "window_starts": 1, "key_shift_logits": 3,
@@ -53,7 +54,7 @@ def _session(
     outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in outputs]
     model = helper.make_model(
         helper.make_graph([node], "fused", inputs, outputs),
-        opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid(OP_DOMAIN, OP_VERSION)], ir_version=10,
+        opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid(OP_DOMAIN, version)], ir_version=10,
     )  # fmt: skip
     options = ort.SessionOptions()
     options.intra_op_num_threads = 2
@@ -368,3 +369,12 @@ def test_the_native_op_names_the_contracts_inputs_and_outputs_in_its_order():
     assert _enum("Output") == list(OP_OUTPUTS)
     packed = re.search(r"kPacked\[\] = \{(.*?)\};", SOURCE.read_text(), re.DOTALL).group(1)
     assert [_snake(item) for item in packed.split(",")] == list(OP_PACKED_INPUTS)
+
+
+def test_the_library_implements_the_contracts_op_version(library):
+    """The version the library declares to onnxruntime (the op's since-version) is the contract's, and the
+    manifest's entry records it: a graph of an older version finds no kernel."""
+    assert library_version(library) == OP_VERSION
+    assert manifest_entry(library)["version"] == OP_VERSION
+    with pytest.raises(Exception, match="not a registered function/op"):
+        _session(library, 2, 2, version=OP_VERSION - 1)

@@ -1,4 +1,6 @@
-// FoX attention over the gated cache as one onnxruntime custom op: kvg.fox FoxAttention, version 3.
+// FoX attention over the gated cache as one onnxruntime custom op: kvg.fox FoxAttention, of the version the build
+// names (KVG_FOX_OP_VERSION: exporters/native_library.py passes runtime/contract.py's OP_VERSION), which the op
+// declares to onnxruntime as its since-version and the library exports as KvgFoxOpVersion() for the manifest.
 //
 // A layer's step in one node: FoX-Pro's work before attention (token shift, QK-norm) on the new queries, keys and
 // values; the new keys, values and log forget gates written into the cache buffers (in place where the runtime binds
@@ -94,6 +96,10 @@ constexpr bool integer_input(size_t index) {  // every other input is float
 // The inputs packed_offsets places, in its order (runtime/contract.py's OP_PACKED_INPUTS)
 constexpr Input kPacked[] = {kQuery, kKey, kValue, kGateLogits, kKeyShiftLogits, kValueShiftLogits, kOutputGateLogits};
 
+#ifndef KVG_FOX_OP_VERSION
+#error "build with -DKVG_FOX_OP_VERSION=<runtime/contract.py's OP_VERSION> (exporters/native_library.py does)"
+#endif
+constexpr int kVersion = KVG_FOX_OP_VERSION;
 constexpr const char* kDomain = "kvg.fox";
 constexpr int64_t kQueryBlock = 64;    // queries that share one transposed block of keys
 constexpr int64_t kKeyBlock = 128;     // keys scored at once
@@ -909,6 +915,7 @@ T attribute_or(const Ort::ConstKernelInfo& info, const char* name, T fallback) {
 }
 
 struct FoxAttentionOp : Ort::CustomOpBase<FoxAttentionOp, FoxAttentionKernel, true> {
+  FoxAttentionOp() { start_ver_ = kVersion; }  // a graph importing kvg.fox at an older version finds no kernel
   OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
     try {
       Ort::ConstKernelInfo attributes(info);
@@ -953,6 +960,9 @@ struct FoxAttentionOp : Ort::CustomOpBase<FoxAttentionOp, FoxAttentionKernel, tr
 };
 
 }  // namespace
+
+// The op version the library implements (exporters/native_library.py writes it into the manifest)
+extern "C" __attribute__((visibility("default"))) int KvgFoxOpVersion() { return kVersion; }
 
 extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
   Ort::InitApi(api_base->GetApi(ORT_API_VERSION));
