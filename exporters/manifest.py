@@ -103,7 +103,7 @@ def build_manifest(
             "max_cache_len": max_cache_len,
             "max_batch": max_batch,
             "fields": list(layout.fields),
-            "shift_width": config.kv_heads * config.head_dim if len(layout.fields) > 3 else None,
+            "shift_width": config.kv_heads * config.head_dim if any(map(io.is_shift_state, layout.fields)) else None,
             # with window_offsets, a prompt's chunk may run with a layer's heads' windows staggered, as decode steps do
             "heads_apart_in_chunks": window_offsets,
         },

@@ -22,7 +22,8 @@ WINDOW_OFFSETS = "window_offsets"  # optional: each kv head's window start (pass
 PAST_PREFIX, PRESENT_PREFIX = "past_key_values.", "present."
 PAST_TEMPLATE = PAST_PREFIX + "{layer}.{field}"
 PRESENT_TEMPLATE = PRESENT_PREFIX + "{layer}.{field}"
-CACHE_FIELDS = ("key", "value", "gate", "key_shift", "value_shift")  # in the order of kvg_export's TENSOR_FIELDS
+SHIFT_FIELDS = ("key_shift", "value_shift")  # FoX-Pro's token-shift states: [batch, kv_heads*head_dim], no slots
+CACHE_FIELDS = ("key", "value", "gate", *SHIFT_FIELDS)  # in the order of kvg_export's TENSOR_FIELDS
 # A fused FoX-Pro graph's outputs besides the contract's: each new token's shift state `[batch, seq, width]`, so that
 # a speculative run that keeps its first tokens only keeps the state after the last of them
 # (exporters/passes/shift_states.py)
@@ -56,6 +57,12 @@ OP_PACKED_INPUTS = ("query", "key", "value", "gate_logits", "key_shift_logits", 
                     "output_gate_logits")  # fmt: skip
 OP_OUTPUTS = ("output", "present_key", "present_value", "present_gate", "present_key_shift", "present_value_shift",
               "key_shift_states", "value_shift_states")  # fmt: skip
+
+
+def is_shift_state(name: str) -> bool:
+    """Whether a cache field (`key_shift`) or a cache tensor's name (`past_key_values.0.key_shift`,
+    `present.0.value_shift`) is a token-shift state: one per row, written over each run rather than into slots."""
+    return name.rpartition(".")[2] in SHIFT_FIELDS
 
 
 def past_of(present: str) -> str:
@@ -94,7 +101,7 @@ class CacheLayout:
     def shift_state_names(self) -> list[str]:
         """The shift-state outputs a fused graph adds (SHIFT_STATES_TEMPLATE), in the graph's order."""
         return [SHIFT_STATES_TEMPLATE.format(layer=i, field=f)
-                for i in range(self.num_layers) for f in self.fields if f.endswith("shift")]  # fmt: skip
+                for i in range(self.num_layers) for f in self.fields if is_shift_state(f)]  # fmt: skip
 
 
 def cache_shape(config, field: str, batch: int, length: int) -> tuple[int, ...]:

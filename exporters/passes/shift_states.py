@@ -15,10 +15,19 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from runtime.contract import BATCH_AXIS, OP_DOMAIN, OP_NAME, OP_OUTPUTS, PRESENT_PREFIX, SEQ_AXIS, SHIFT_STATES_TEMPLATE
+from runtime.contract import (
+    BATCH_AXIS,
+    OP_DOMAIN,
+    OP_NAME,
+    OP_OUTPUTS,
+    PRESENT_PREFIX,
+    SEQ_AXIS,
+    SHIFT_FIELDS,
+    SHIFT_STATES_TEMPLATE,
+)
 
 # The node's output of each shift's state after the run, and of its state after each token
-STATES = {OP_OUTPUTS.index(f"present_{f}"): OP_OUTPUTS.index(f"{f}_states") for f in ("key_shift", "value_shift")}
+STATES = {OP_OUTPUTS.index(f"present_{f}"): OP_OUTPUTS.index(f"{f}_states") for f in SHIFT_FIELDS}
 
 
 def expose_shift_states(graph: ir.Graph) -> int:
