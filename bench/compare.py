@@ -24,14 +24,13 @@ import onnxruntime as ort
 import peers
 from run import Worker, interleaved_decode_speeds
 
-from runtime.artifact import session_options
-from runtime.contract import MANIFEST_NAME
+from runtime.artifact import is_artifact, session_options
 
 
 def graph_options(folder: str | Path) -> ort.SessionOptions:
     """SessionOptions that open a folder's model.onnx: an artifact's with its custom-op library registered, as the
     runtime opens it; onnxruntime-genai's (no manifest) as they are."""
-    return session_options(folder) if (Path(folder) / MANIFEST_NAME).is_file() else ort.SessionOptions()
+    return session_options(folder) if is_artifact(folder) else ort.SessionOptions()
 
 
 def optimized_nodes(folder: str) -> int:

@@ -21,7 +21,7 @@ from onnx import TensorProto, helper
 from report import record
 
 from exporters.native_library import build
-from runtime.contract import OP_DOMAIN, OP_NAME, OP_VERSION
+from runtime.contract import OP_DOMAIN, OP_INPUTS, OP_NAME, OP_OUTPUTS, OP_VERSION
 
 BEGIN, END = "<!-- kernel:begin -->", "<!-- kernel:end -->"
 CASES = {"prompt chunk 256 after 3,840": (256, 4096), "prompt chunk 256 after 15,872": (256, 16384),
@@ -74,8 +74,8 @@ def sessions(seq: int, window: int, heads: int, dim: int, threads: int, library)
              "past_key": past_key, "past_value": past_value.copy(), "past_gate": gates.copy(),
              "attention_mask": np.ones((1, window), np.int64),
              "cache_position": np.arange(start, window, dtype=np.int64)}  # fmt: skip
-    outputs = ["output", "present_key", "present_value", "present_gate"]
-    names = [*list(fused)[:4], "", *list(fused)[4:]]  # no gate bias
+    outputs = list(OP_OUTPUTS[: OP_OUTPUTS.index("present_gate") + 1])
+    names = [name if name in fused else "" for name in OP_INPUTS[: OP_INPUTS.index("cache_position") + 1]]
     run_fused = _bound(
         _model(OP_NAME, OP_DOMAIN, names, fused, outputs, num_heads=heads, kv_num_heads=heads), fused,
         dict(zip(["past_key", "past_value", "past_gate"], outputs[1:], strict=True)), threads, library,

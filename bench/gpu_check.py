@@ -34,7 +34,7 @@ from exporters.lowering import TORCH_DTYPES
 from exporters.references import eager_generate
 from exporters.validate import greedy_disagreement
 from kvg_export.presets import load_model
-from runtime.artifact import SessionOptions
+from runtime.artifact import SessionOptions, read_manifest
 from runtime.device_cache import DeviceCache
 from runtime.generator import GenerationConfig, Generator
 
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             out = Path(scratch) / dtype
             options = ExportOptions(args.preset, out, "static", dtype, MAX_CACHE_LEN, provider=args.provider)
             result = export_artifact(options, log=print)
-            manifest = json.loads((out / "kvg_config.json").read_text())
+            manifest = read_manifest(out)
             model = load_model(args.preset, dtype=TORCH_DTYPES[dtype]).to(device)
             row = {"dtype": dtype, "attention": manifest["attention"],
                    "export_logits_diff": result.report.summary()["max_onnx_logits_diff"],

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from tokenizers import Tokenizer
 from kvg_export.corpus import read_split, token_stream
 from kvg_export.fox.pruning import score_bounds
 from kvg_export.presets import load_model, resolve_checkpoint
+from runtime.pruning import Pruning, needed_slots
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -51,14 +51,9 @@ def log_gates(model, ids: np.ndarray) -> list[np.ndarray]:
 
 
 def kept_keys(gates: np.ndarray, thresholds: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """`[heads, len(positions)]`: how many of its last keys each head needs at each position."""
-    sums = np.cumsum(gates, axis=-1)  # c_j, non-increasing in j
-    kept = np.empty((len(gates), len(positions)), dtype=np.int64)
-    for head, (c, threshold) in enumerate(zip(sums, thresholds, strict=True)):
-        # key j is needed at t while c_t - c_j >= threshold, i.e. c_j <= c_t - threshold: the keys from `first` on
-        first = np.searchsorted(-c, -(c[positions] - threshold), side="left")
-        kept[head] = positions - first + 1
-    return kept
+    """`[heads, len(positions)]`: how many of its last keys each head needs at each position, as the runtime
+    counts them (runtime.pruning's needed_slots over the text up to that position, one row)."""
+    return np.stack([needed_slots([gates[None, :, : t + 1]], thresholds[None])[0] for t in positions], axis=-1)
 
 
 def measure(preset: str, tokens: int, tolerance: float) -> dict:
@@ -67,7 +62,7 @@ def measure(preset: str, tokens: int, tolerance: float) -> dict:
     tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
     stream = token_stream(tokenizer, read_split("test"), model.config.eos_token_id, longest_first=True)[:tokens]
     bounds = np.asarray(score_bounds(model))
-    thresholds = tolerance - 2 * bounds - math.log(len(stream))
+    thresholds = Pruning(tolerance, bounds).thresholds(len(stream))
     positions = np.arange(EVERY - 1, len(stream), EVERY)
     kept = [kept_keys(gates, t, positions) for gates, t in zip(log_gates(model, stream), thresholds, strict=True)]
     return {

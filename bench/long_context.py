@@ -31,6 +31,7 @@ from tokenizers import Tokenizer
 
 from kvg_export.corpus import read_split, token_stream
 from kvg_export.presets import preset_folder
+from runtime.artifact import read_manifest
 from runtime.pruning import parse_tolerance
 
 matplotlib.use("Agg")
@@ -51,7 +52,7 @@ def capacity(folder: Path) -> int | None:
     genai = folder / "genai_config.json"
     if genai.is_file():
         return json.loads(genai.read_text())["model"]["context_length"]
-    return json.loads((folder / "kvg_config.json").read_text())["cache"]["max_cache_len"]
+    return read_manifest(folder)["cache"]["max_cache_len"]
 
 
 def fits(prompt: int, new_tokens: int, limit: int | None) -> bool:

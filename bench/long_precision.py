@@ -14,7 +14,6 @@ bench/README.md.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -26,7 +25,7 @@ from report import record
 
 from exporters.export import ExportOptions, export_artifact
 from kvg_export import FoxConfig, FoxForCausalLM
-from runtime.artifact import session_options
+from runtime.artifact import read_manifest, session_options
 
 BEGIN, END = "<!-- precision:begin -->", "<!-- precision:end -->"
 ATTENTION = ("fused", "gqa")
@@ -112,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             out = Path(scratch) / attention
             export_artifact(ExportOptions(str(folder), out, attention=attention, log_pruning_tolerance=None),
                             log=lambda _: None)  # fmt: skip
-            manifest = json.loads((out / "kvg_config.json").read_text())
+            manifest = read_manifest(out)
             manifest_inputs = manifest_inputs or feeds(manifest, args.lengths, model.config.vocab_size)
             results["attention"][attention] = {"logits": run_raw(out, manifest_inputs, args.threads)}
     real = manifest_inputs["attention_mask"] > 0

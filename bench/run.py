@@ -180,11 +180,12 @@ def artifact(
     from exporters.export import AS_CONFIG, QUALITY_THRESHOLDS, ExportOptions, QualityOptions, export_artifact
     from exporters.quantization import BITS, Quantization
     from kvg_export.presets import preset_folder
+    from runtime.artifact import is_artifact
 
     parts = [model, cache, *([str(length)] if length else []), attention, *([quantize] if quantize else [])]
     parts += [] if prune is None else ["prune-config" if prune == AS_CONFIG else f"prune{prune:g}"]
     out = ARTIFACTS / "-".join(parts)
-    if not (out / "kvg_config.json").is_file() or (attention == "fused" and not _current_library(out)):
+    if not is_artifact(out) or (attention == "fused" and not _current_library(out)):
         print(f"exporting {out.name} ...", flush=True)
         quantization, quality = None, QualityOptions()
         if quantize:
@@ -257,7 +258,9 @@ def compare(model: str, batches: list[int], args, threads: int) -> list[dict]:
 
 def describe_artifact(folder: Path) -> dict:
     """Its size on disk and, for a quantized one, the quality its export was judged on."""
-    manifest = json.loads((folder / "kvg_config.json").read_text())
+    from runtime.artifact import read_manifest
+
+    manifest = read_manifest(folder)
     size = sum(path.stat().st_size for path in folder.glob("model.onnx*"))
     return {"model_mb": size / 1e6, "quality": manifest["validation"].get("quality")}
 
@@ -292,8 +295,9 @@ def sweep(model: str, threads: int, runs: int) -> list[dict]:
 
 def artifact_vocab(folder: str) -> int:
     """The vocabulary of an artifact's model, for prompts of random ids."""
-    with open(os.path.join(folder, "kvg_config.json")) as manifest:
-        return json.load(manifest)["model"]["vocab_size"]
+    from runtime.artifact import read_manifest
+
+    return read_manifest(Path(folder))["model"]["vocab_size"]
 
 
 def machine() -> dict:

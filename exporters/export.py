@@ -392,7 +392,7 @@ def _build(
 
 
 def _write_manifest(staging: Path, manifest: dict) -> None:
-    """kvg_config.json, as the runtime reads it."""
+    """The manifest, as the runtime reads it."""
     (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
 
 

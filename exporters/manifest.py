@@ -1,4 +1,4 @@
-"""The artifact manifest `kvg_config.json`: all the runtime needs to serve an export without torch.
+"""The artifact's manifest (runtime/contract.py's MANIFEST_NAME): all the runtime needs to serve an export, no torch.
 
 It records sizes, dtypes, the IO name templates and every graph input and output (name, dtype, axes),
 the cache kind and limits, special token ids, the opset and where the export came from. The ONNX graph
@@ -103,7 +103,7 @@ def build_manifest(
             "max_cache_len": max_cache_len,
             "max_batch": max_batch,
             "fields": list(layout.fields),
-            "shift_width": config.kv_heads * config.head_dim if len(layout.fields) > 3 else None,
+            "shift_width": config.kv_heads * config.head_dim if any(map(io.is_shift_state, layout.fields)) else None,
             # with window_offsets, a prompt's chunk may run with a layer's heads' windows staggered, as decode steps do
             "heads_apart_in_chunks": window_offsets,
         },
@@ -179,4 +179,4 @@ def check_graph_matches(model_path: Path, manifest: dict) -> None:
             f"{kind} {a['name']}: graph {a} != manifest {e}" for a, e in zip(actual, expected, strict=True) if a != e
         ]
     if problems:
-        raise ValueError("the ONNX graph does not match kvg_config.json:\n  " + "\n  ".join(problems))
+        raise ValueError(f"the ONNX graph does not match {io.MANIFEST_NAME}:\n  " + "\n  ".join(problems))

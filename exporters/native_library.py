@@ -14,6 +14,7 @@ through GroupQueryAttention as before.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import shutil
@@ -112,7 +113,7 @@ def build(headers: Path | None = None) -> Path:
     """The library, built if the cache lacks this source, header, compiler and flags' build; raise NativeUnavailable."""
     compiler, tag = _compiler(), platform_tag()
     include = find_headers(headers)
-    command = [compiler, *FLAGS, *_march(tag), f"-I{include}"]
+    command = [compiler, *FLAGS, f"-DKVG_FOX_OP_VERSION={OP_VERSION}", *_march(tag), f"-I{include}"]
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     digest = hashlib.sha256()
     for part in (SOURCE.read_bytes(), (include / "onnxruntime_c_api.h").read_bytes(), version.encode(),
@@ -131,9 +132,16 @@ def build(headers: Path | None = None) -> Path:
     return library
 
 
+def library_version(library: Path) -> int:
+    """The op version a built library implements, as it declares it to onnxruntime (its since-version): the
+    OP_VERSION it was built with, which the library exports as KvgFoxOpVersion()."""
+    return ctypes.CDLL(str(library)).KvgFoxOpVersion()
+
+
 def manifest_entry(library: Path) -> dict:
     """What a fused artifact's manifest says of the library it carries (runtime/custom_ops.py reads it)."""
-    return {"file": library.name, "domain": OP_DOMAIN, "op": OP_NAME, "version": OP_VERSION, "platform": platform_tag()}
+    return {"file": library.name, "domain": OP_DOMAIN, "op": OP_NAME, "version": library_version(library),
+            "platform": platform_tag()}  # fmt: skip
 
 
 def available() -> Path | None:

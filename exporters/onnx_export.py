@@ -56,7 +56,7 @@ def dynamic_shapes(layout: CacheLayout, max_batch: int, max_seq: int, window_off
     else:
         past = Dim(io.PAST_AXIS, min=0, max=max_seq)
         mask, rest = {0: batch, 1: Dim(io.TOTAL_AXIS, min=1, max=2 * max_seq)}, []
-        per_field = {f: ({0: batch} if f.endswith("shift") else {0: batch, 2: past}) for f in layout.fields}
+        per_field = {f: ({0: batch} if io.is_shift_state(f) else {0: batch, 2: past}) for f in layout.fields}
     rest += [per_field[f] for _ in range(layout.num_layers) for f in layout.fields]
     shapes = {io.INPUT_IDS: {0: batch, 1: seq}, io.ATTENTION_MASK: mask, "rest": tuple(rest)}
     return shapes | ({WINDOW_OFFSETS: None} if window_offsets else {})
@@ -100,7 +100,7 @@ def _axis_names(layout: CacheLayout, name: str) -> list[str | None]:
         return [io.SEQ_AXIS]
     if name == WINDOW_OFFSETS:
         return [None, None]
-    if name.endswith("shift"):
+    if io.is_shift_state(name):
         return [batch, None]
     if name.endswith("gate"):
         return [batch, None, length]

@@ -21,7 +21,7 @@ from exporters.validate import (
 )
 from exporters.wrappers import ExportableFox
 from kvg_export import FoxForCausalLM
-from runtime.contract import WINDOW_OFFSETS, CacheLayout, cache_shape
+from runtime.contract import WINDOW_OFFSETS, CacheLayout, cache_shape, is_shift_state
 
 
 def _host(tensor: torch.Tensor) -> np.ndarray:
@@ -96,7 +96,7 @@ class _Run:
         self.eager, self.exported, self.layout = eager, exported, layout
         self.pasts = {"eager": pasts, "program": [t.clone() for t in pasts]}
         self.logits = None
-        self.shifts = [i for i, name in enumerate(layout.present_names()) if name.endswith("shift")]
+        self.shifts = [i for i, name in enumerate(layout.present_names()) if is_shift_state(name)]
 
     def _head(self, tokens: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
         """The graph's leading inputs for `tokens` whose window (with the positions before them) is `mask`."""

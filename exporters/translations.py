@@ -27,7 +27,7 @@ from onnxscript.values import Op, Opset
 import kvg_export.fox.attention  # registers kvg::decay_after
 import kvg_export.fox.fused_attention
 import kvg_export.fox.in_place_attention  # noqa: F401  (registers kvg::group_query_attention)
-from runtime.contract import ATTENTION_MASK, CACHE_POSITION, OP_DOMAIN, OP_NAME, OP_VERSION
+from runtime.contract import OP_DOMAIN, OP_INPUTS, OP_INTEGER_INPUTS, OP_NAME, OP_OUTPUTS, OP_VERSION
 
 
 def lower_softplus(x, beta: float = 1.0, threshold: float = 20.0):
@@ -95,12 +95,9 @@ FOX_ATTENTION = Op(
     OP_NAME,
     _attention_schema(
         OP_NAME, OP_DOMAIN, OP_VERSION,
-        [("query", "T"), ("key", "T"), ("value", "T"), ("gate_logits", "T"), ("gate_bias", "T"), ("past_key", "T"),
-         ("past_value", "T"), ("past_gate", "T"), (ATTENTION_MASK, "P"), (CACHE_POSITION, "P"),
-         ("window_starts", "P"), ("key_shift_logits", "T"), ("past_key_shift", "T"), ("value_shift_logits", "T"),
-         ("past_value_shift", "T"), ("query_norm", "T"), ("key_norm", "T"), ("output_norm", "T"),
-         ("output_gate_logits", "T")], 10,
-        ["output", "present_key", "present_value", "present_gate", "present_key_shift", "present_value_shift"],
+        [(name, "P" if name in OP_INTEGER_INPUTS else "T") for name in OP_INPUTS],
+        OP_INPUTS.index("window_starts"),  # those before it are given (or None) by every call
+        list(OP_OUTPUTS[: OP_OUTPUTS.index("key_shift_states")]),  # the per-token states: passes/shift_states.py
         {"T": ["tensor(float)"], "P": ["tensor(int64)"]},
         {"qk_norm_epsilon": OpSchema.AttrType.FLOAT, "output_norm_epsilon": OpSchema.AttrType.FLOAT,
          "output_gate_activation": OpSchema.AttrType.STRING},
@@ -109,16 +106,16 @@ FOX_ATTENTION = Op(
 
 
 def lower_fox_attention(
-    query, key, value, gate_logits, gate_bias, key_cache, value_cache, gate_cache, attention_mask, cache_position,
-    starts, key_shift_logits, key_shift, value_shift_logits, value_shift, query_norm, key_norm, output_norm,
-    output_gate_logits, heads: int, kv_heads: int, qk_norm_epsilon: float, output_norm_epsilon: float,
+    query, key, value, gate_logits, gate_bias, past_key, past_value, past_gate, attention_mask, cache_position,
+    window_starts, key_shift_logits, past_key_shift, value_shift_logits, past_value_shift, query_norm, key_norm,
+    output_norm, output_gate_logits, heads: int, kv_heads: int, qk_norm_epsilon: float, output_norm_epsilon: float,
     output_gate_activation: str,
 ):  # fmt: skip
-    """kvg::fox_attention as the fused operator, its inputs as they are."""
+    """kvg::fox_attention as the fused operator, its inputs (OP_INPUTS, the torch op's tensors) as they are."""
     return FOX_ATTENTION(
-        query, key, value, gate_logits, gate_bias, key_cache, value_cache, gate_cache, attention_mask, cache_position,
-        starts, key_shift_logits, key_shift, value_shift_logits, value_shift, query_norm, key_norm, output_norm,
-        output_gate_logits, num_heads=heads, kv_num_heads=kv_heads, qk_norm_epsilon=qk_norm_epsilon,
+        query, key, value, gate_logits, gate_bias, past_key, past_value, past_gate, attention_mask, cache_position,
+        window_starts, key_shift_logits, past_key_shift, value_shift_logits, past_value_shift, query_norm, key_norm,
+        output_norm, output_gate_logits, num_heads=heads, kv_num_heads=kv_heads, qk_norm_epsilon=qk_norm_epsilon,
         output_norm_epsilon=output_norm_epsilon, output_gate_activation=output_gate_activation,
     )  # fmt: skip
 

@@ -50,8 +50,8 @@ class OnnxFoxForCausalLM(PreTrainedModel, GenerationMixin):
         self.dtype_name = artifact.manifest["dtype"]
         # The fields a run gives new tensors for: all of them on a dynamic cache, the shift states on a static one
         # (its keys, values and gates are written where they lie)
-        self.written_fields = [f for f in self.fields if not artifact.static or f.endswith("shift")]
-        self.shift = [ATTRIBUTES[f] for f in self.fields if f.endswith("shift")]
+        self.written_fields = [f for f in self.fields if not artifact.static or io.is_shift_state(f)]
+        self.shift = [ATTRIBUTES[f] for f in self.fields if io.is_shift_state(f)]
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, provider: str = "auto", threads: int = 0):
@@ -242,7 +242,7 @@ class OnnxFoxForCausalLM(PreTrainedModel, GenerationMixin):
 
     @staticmethod
     def _present_shape(past: torch.Tensor, field: str, seq: int) -> tuple[int, ...]:
-        if field.endswith("shift"):
+        if io.is_shift_state(field):
             return tuple(past.shape)
         return (*past.shape[:2], past.shape[2] + seq, *past.shape[3:])
 
@@ -252,7 +252,7 @@ class OnnxFoxForCausalLM(PreTrainedModel, GenerationMixin):
         if self.static:
             for layer, written in zip(cache.layers, presents, strict=True):
                 for field in self.fields:
-                    if field.endswith("shift"):
+                    if io.is_shift_state(field):
                         getattr(layer, ATTRIBUTES[field]).copy_(written[field])
                 layer.written(cache_position)
             return

@@ -1,6 +1,6 @@
 """An exported artifact opened for serving: its manifest, checked against the graph, and its session.
 
-Everything the decode loop needs comes from `kvg_config.json` (sizes, dtypes, IO names, cache kind and
+Everything the decode loop needs comes from the manifest (sizes, dtypes, IO names, cache kind and
 limits, special tokens); the ONNX graph's inputs and outputs must say the same, or loading stops here
 with a message rather than failing deep inside onnxruntime.
 """
@@ -48,7 +48,13 @@ OPTIMIZATION_LEVELS = {
 }
 
 
+def is_artifact(folder: str | Path) -> bool:
+    """Whether `folder` holds a manifest, as every kvg-export artifact does (read_manifest then checks it)."""
+    return (Path(folder) / MANIFEST_NAME).is_file()
+
+
 def read_manifest(folder: Path) -> dict:
+    """The artifact's manifest, checked for its format; raise ArtifactError saying what is wrong and the fix."""
     path = folder / MANIFEST_NAME
     if not folder.is_dir():
         raise ArtifactError(f"{folder} is not an artifact folder (make one with `kvg-export MODEL --out {folder}`)")

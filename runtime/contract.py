@@ -22,7 +22,8 @@ WINDOW_OFFSETS = "window_offsets"  # optional: each kv head's window start (pass
 PAST_PREFIX, PRESENT_PREFIX = "past_key_values.", "present."
 PAST_TEMPLATE = PAST_PREFIX + "{layer}.{field}"
 PRESENT_TEMPLATE = PRESENT_PREFIX + "{layer}.{field}"
-CACHE_FIELDS = ("key", "value", "gate", "key_shift", "value_shift")  # in the order of kvg_export's TENSOR_FIELDS
+SHIFT_FIELDS = ("key_shift", "value_shift")  # FoX-Pro's token-shift states: [batch, kv_heads*head_dim], no slots
+CACHE_FIELDS = ("key", "value", "gate", *SHIFT_FIELDS)  # in the order of kvg_export's TENSOR_FIELDS
 # A fused FoX-Pro graph's outputs besides the contract's: each new token's shift state `[batch, seq, width]`, so that
 # a speculative run that keeps its first tokens only keeps the state after the last of them
 # (exporters/passes/shift_states.py)
@@ -41,8 +42,27 @@ FORMAT_VERSION = 2  # 2: a static graph's attention_mask is the attention window
 DEFAULT_OPSET = 20
 DYNAMIC_MAX_POSITIONS = 1 << 16  # the most positions a dynamic graph is traced for
 
-# The fused FoX attention operator (exporters/native/): its node's domain, type and version
+# The fused FoX attention operator (exporters/native/fox_attention.cc holds its contract): its node's domain, type
+# and version, and its inputs and outputs in the node's order. The C++ op's `Input` and `Output` enums spell the same
+# names (tests/test_fused_attention.py holds them equal); the exporter's schema, its passes, the tests and the bench
+# read these.
 OP_DOMAIN, OP_NAME, OP_VERSION = "kvg.fox", "FoxAttention", 3
+OP_PRO_INPUTS = ("key_shift_logits", "past_key_shift", "value_shift_logits", "past_value_shift", "query_norm",
+                 "key_norm", "output_norm", "output_gate_logits")  # FoX-Pro's, each optional  # fmt: skip
+OP_INPUTS = ("query", "key", "value", "gate_logits", "gate_bias", "past_key", "past_value", "past_gate",
+             ATTENTION_MASK, CACHE_POSITION, "window_starts", *OP_PRO_INPUTS)  # fmt: skip
+OP_INTEGER_INPUTS = (ATTENTION_MASK, CACHE_POSITION, "window_starts")  # int64; every other input is float
+# The inputs the attribute packed_offsets places in the node's joined projection, in its order
+OP_PACKED_INPUTS = ("query", "key", "value", "gate_logits", "key_shift_logits", "value_shift_logits",
+                    "output_gate_logits")  # fmt: skip
+OP_OUTPUTS = ("output", "present_key", "present_value", "present_gate", "present_key_shift", "present_value_shift",
+              "key_shift_states", "value_shift_states")  # fmt: skip
+
+
+def is_shift_state(name: str) -> bool:
+    """Whether a cache field (`key_shift`) or a cache tensor's name (`past_key_values.0.key_shift`,
+    `present.0.value_shift`) is a token-shift state: one per row, written over each run rather than into slots."""
+    return name.rpartition(".")[2] in SHIFT_FIELDS
 
 
 def past_of(present: str) -> str:
@@ -81,7 +101,7 @@ class CacheLayout:
     def shift_state_names(self) -> list[str]:
         """The shift-state outputs a fused graph adds (SHIFT_STATES_TEMPLATE), in the graph's order."""
         return [SHIFT_STATES_TEMPLATE.format(layer=i, field=f)
-                for i in range(self.num_layers) for f in self.fields if f.endswith("shift")]  # fmt: skip
+                for i in range(self.num_layers) for f in self.fields if is_shift_state(f)]  # fmt: skip
 
 
 def cache_shape(config, field: str, batch: int, length: int) -> tuple[int, ...]:

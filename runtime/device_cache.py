@@ -20,16 +20,12 @@ import onnxruntime as ort
 
 from runtime import buffers
 from runtime.artifact import Artifact, window_kind
-from runtime.contract import BATCH_AXIS, PAST_AXIS, WINDOW_OFFSETS, held_in_place
+from runtime.contract import BATCH_AXIS, PAST_AXIS, WINDOW_OFFSETS, held_in_place, is_shift_state
 from runtime.pruning import PRUNE_EVERY, PruningError, needed_slots
 
 # A gqa dynamic artifact's key, value and gate buffers first hold the prompt and up to this many new tokens, and
 # double when a generation goes further: a long max_new_tokens allocates only what is generated.
 RESERVED_NEW_TOKENS = 256
-
-
-def _field(name: str) -> str:
-    return name.rsplit(".", 1)[-1]
 
 
 class DeviceCache:
@@ -40,7 +36,7 @@ class DeviceCache:
         self.stale_bindings = False  # in-place buffers were replaced, or their folding changed: bind every tensor again
         self.pairs = list(zip(artifact.past_names(), artifact.present_names(), strict=True))
         self.dtypes = {past: artifact.input_spec(past)["dtype"] for past, _ in self.pairs}
-        self.in_place = {past for past, _ in self.pairs if in_place and not _field(past).endswith("shift")}
+        self.in_place = {past for past, _ in self.pairs if in_place and not is_shift_state(past)}
         self.swapped = {past: present for past, present in self.pairs if in_place and past not in self.in_place}
         self.fed_back = [(i, past, present) for i, (past, present) in enumerate(self.pairs)
                          if past not in self.in_place and past not in self.swapped]  # fmt: skip
@@ -53,7 +49,7 @@ class DeviceCache:
             if past in self.in_place:
                 self.layer_buffers[index // fields].append(past)
         self.gate_names = artifact.gate_names()
-        self.shift_names = [past for past, _ in self.pairs if _field(past).endswith("shift")]
+        self.shift_names = [past for past, _ in self.pairs if is_shift_state(past)]
         self.states_given = bool(artifact.shift_states())  # each token's shift states, by a step (see `keep`)
         # Each layer's present keys and values that its runs give folded while its heads' windows are staggered
         self.folding = {present: index // fields for index, (past, present) in enumerate(self.pairs)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime.sampling import SamplingConfig, filtered_logits
+from runtime.sampling import SamplingConfig, filtered_logits, softmax
 
 MAX_TOP = 20  # alternatives a request may ask for, as OpenAI allows
 
@@ -23,13 +23,6 @@ class TokenLogprob:
     token: int
     logprob: float | None  # None for a prompt's first token, which nothing predicts
     top: tuple[tuple[int, float], ...] = ()  # the likeliest first, then the chosen one if not among them
-
-
-def log_softmax(scores: np.ndarray) -> np.ndarray:
-    """Row-wise, float32; a token the processors removed (-inf) stays -inf."""
-    scores = np.asarray(scores, dtype=np.float32)
-    shifted = scores - scores.max(axis=-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
 
 
 def scored(logprobs: np.ndarray, tokens: np.ndarray, top: int) -> list[TokenLogprob]:
@@ -49,7 +42,7 @@ def chosen_logprob(
     context: list[np.ndarray] | None = None, banned: np.ndarray | None = None,
 ) -> TokenLogprob:  # fmt: skip
     """A generated token's entry from its step's logits `[1, vocab]`, processed as the Sampler processed them."""
-    logprobs = log_softmax(filtered_logits(logits, sampling, context, banned))
+    logprobs = softmax(filtered_logits(logits, sampling, context, banned), np.float32, log=True)
     return scored(logprobs, np.array([token]), top)[0]
 
 
@@ -61,5 +54,5 @@ def prompt_logprobs(logits: np.ndarray, prompt: list[int], first: int, sampling:
         return []
     penalised = sampling.repetition_penalty != 1.0
     context = [np.asarray(prompt[: first + q + 1]) for q in range(rows)] if penalised else None
-    logprobs = log_softmax(filtered_logits(logits[:rows], sampling, context))
+    logprobs = softmax(filtered_logits(logits[:rows], sampling, context), np.float32, log=True)
     return scored(logprobs, np.asarray(prompt[first + 1 : first + 1 + rows]), top)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from runtime.artifact import ArtifactError, SessionOptions
+from runtime.artifact import SessionOptions, is_artifact
 from runtime.draft_model import DraftModel
+from runtime.errors import RequestError
 from runtime.prompt_lookup import PromptLookup
 
 
@@ -31,8 +31,8 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_choice(choice: str) -> None:
     """Refuse a --speculative that is neither, before anything is loaded."""
-    if choice != "ngram" and not Path(choice, "kvg_config.json").is_file():
-        raise ArtifactError(f"--speculative takes ngram or a folder made by kvg-export; {choice!r} is neither")
+    if choice != "ngram" and not is_artifact(choice):
+        raise RequestError(f"--speculative takes ngram or a folder made by kvg-export; {choice!r} is neither")
 
 
 def proposer(

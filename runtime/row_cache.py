@@ -30,6 +30,7 @@ import onnxruntime as ort
 
 from runtime import buffers
 from runtime.artifact import Artifact
+from runtime.contract import is_shift_state
 from runtime.prefix_cache import Block
 from runtime.pruning import PRUNE_EVERY, PruningError, needed_slots
 
@@ -39,8 +40,8 @@ class RowCache:
         self.artifact, self.rows, self.device = artifact, rows, artifact.device
         self.length = artifact.manifest["cache"]["max_cache_len"]
         pairs = list(zip(artifact.past_names(), artifact.present_names(), strict=True))
-        self.slotted = [pair for pair in pairs if not pair[0].endswith("shift")]  # keys, values, gates
-        self.shifted = [pair for pair in pairs if pair[0].endswith("shift")]  # shift models' token-shift states
+        self.slotted = [pair for pair in pairs if not is_shift_state(pair[0])]  # keys, values, gates
+        self.shifted = [pair for pair in pairs if is_shift_state(pair[0])]  # shift models' token-shift states
         self.gate_names = artifact.gate_names()
         self.dtypes = {past: artifact.input_spec(past)["dtype"] for past, _ in pairs}
         self.buffers = {past: self._zeros(past, rows) for past, _ in pairs}

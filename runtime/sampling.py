@@ -68,7 +68,7 @@ def filtered_logits(
         # the most probable one. torch's sort leaves the order of equal logits open; a stable one drops lower ids first.
         order = np.argsort(scores, axis=-1, kind="stable")
         ascending = np.take_along_axis(scores, order, axis=-1)
-        drop = np.cumsum(_softmax(ascending), axis=-1) <= 1 - config.top_p
+        drop = np.cumsum(softmax(ascending), axis=-1) <= 1 - config.top_p
         drop[:, -1] = False
         np.put_along_axis(scores, order, np.where(drop, -np.inf, ascending), axis=-1)
     return scores
@@ -86,10 +86,16 @@ def _penalise_repetitions(scores: np.ndarray, context: list[np.ndarray] | None, 
         row[seen] = np.where(hit > 0, hit / penalty, hit * penalty)
 
 
-def _softmax(scores: np.ndarray) -> np.ndarray:
-    """Row-wise softmax in float64, so the probabilities of a large vocabulary still sum to 1 closely."""
-    shifted = np.exp(scores.astype(np.float64) - scores.max(axis=-1, keepdims=True))
-    return shifted / shifted.sum(axis=-1, keepdims=True)
+def softmax(scores: np.ndarray, dtype: type = np.float64, log: bool = False) -> np.ndarray:
+    """Row-wise (the last axis) softmax of `scores` taken in `dtype`, or with `log` its log: the scores less their
+    maximum, exponentiated and summed. A score of -inf (a token removed) has probability 0, log-probability -inf.
+    The runtime's one softmax: sampling takes it in float64, so the probabilities of a large vocabulary still sum to
+    1 closely; log-probabilities (runtime/logprobs.py) in float32, scoring (runtime/scoring.py) in float64."""
+    scores = np.asarray(scores, dtype=dtype)
+    shifted = scores - scores.max(axis=-1, keepdims=True)
+    exponentials = np.exp(shifted)
+    total = exponentials.sum(axis=-1, keepdims=True)
+    return shifted - np.log(total) if log else exponentials / total
 
 
 class Sampler:
@@ -115,13 +121,13 @@ class Sampler:
         scores = filtered_logits(logits, self.config, context, banned)
         if greedy:
             return scores.argmax(axis=-1).astype(np.int64)
-        return self.draw(_softmax(scores))
+        return self.draw(softmax(scores))
 
     def distribution(
         self, logits: np.ndarray, context: list[np.ndarray] | None = None, banned: np.ndarray | None = None
     ) -> np.ndarray:  # fmt: skip
         """What `choose` samples from when sampling `[batch, vocab]` (float64): a draft model's q, the target's p."""
-        return _softmax(filtered_logits(logits, self.config, context, banned))
+        return softmax(filtered_logits(logits, self.config, context, banned))
 
     def draw(self, probs: np.ndarray) -> np.ndarray:
         """One id per row `[batch]` int64 from (not necessarily normalised) probabilities `[batch, vocab]`."""

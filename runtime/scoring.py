@@ -14,8 +14,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from runtime.sampling import softmax
+
 LOGITS_BUDGET_BYTES = 64 << 20  # the most float32 logits one batch of windows may produce: 512 tokens of 32k
-POSITIONS_PER_BLOCK = 64  # next_token_scores' float64 work: 16 MB at a 32k vocabulary
+POSITIONS_PER_BLOCK = 64  # next_token_scores' float64 work: 16 MB an array (softmax makes a few) at a 32k vocabulary
 
 
 def next_token_scores(logits: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -31,13 +33,10 @@ def next_token_scores(logits: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, 
     top1 = np.empty(nll.shape, dtype=np.int64)
     for begin in range(0, positions, POSITIONS_PER_BLOCK):
         end = min(begin + POSITIONS_PER_BLOCK, positions)
-        scores = logits[..., begin:end, :].astype(np.float64)
-        picked = np.take_along_axis(scores, ids[..., begin + 1 : end + 1, None], axis=-1)[..., 0]
+        scores = logits[..., begin:end, :]
+        logprobs = softmax(scores, np.float64, log=True)
+        nll[..., begin:end] = -np.take_along_axis(logprobs, ids[..., begin + 1 : end + 1, None], axis=-1)[..., 0]
         top1[..., begin:end] = scores.argmax(axis=-1)
-        peak = scores.max(axis=-1, keepdims=True)
-        scores -= peak
-        np.exp(scores, out=scores)
-        nll[..., begin:end] = np.log(scores.sum(axis=-1)) + peak[..., 0] - picked
     return nll, top1
 
 

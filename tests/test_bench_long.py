@@ -10,6 +10,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from long_context import capacity, fits, rows_at, table
 
+from runtime.contract import FORMAT_VERSION, MANIFEST_NAME
+
 
 def answer(ttft: float, speed: float, rss: float) -> dict:
     return {"ttft_s": ttft, "decode_tokens_per_s": speed, "peak_rss_mb": rss}
@@ -24,8 +26,9 @@ def test_capacity_reads_the_artifacts_max_cache_len_and_genais_context_length(tm
     static, dynamic, genai = (tmp_path / name for name in ("static", "dynamic", "genai"))
     for folder in (static, dynamic, genai):
         folder.mkdir()
-    (static / "kvg_config.json").write_text(json.dumps({"cache": {"kind": "static", "max_cache_len": 4160}}))
-    (dynamic / "kvg_config.json").write_text(json.dumps({"cache": {"kind": "dynamic", "max_cache_len": None}}))
+    for folder, kind, length in ((static, "static", 4160), (dynamic, "dynamic", None)):
+        manifest = {"format_version": FORMAT_VERSION, "cache": {"kind": kind, "max_cache_len": length}}
+        (folder / MANIFEST_NAME).write_text(json.dumps(manifest))
     (genai / "genai_config.json").write_text(json.dumps({"model": {"context_length": 1088}}))
     assert (capacity(static), capacity(dynamic), capacity(genai)) == (4160, None, 1088)
 

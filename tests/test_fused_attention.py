@@ -5,20 +5,29 @@ shift, QK-norm, output norm and output gate."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from exporters.native_library import NativeUnavailable, build
-from runtime.contract import OP_DOMAIN, OP_NAME, OP_VERSION
+from exporters.native_library import SOURCE, NativeUnavailable, build, library_version, manifest_entry
+from runtime.contract import (
+    OP_DOMAIN,
+    OP_INPUTS,
+    OP_INTEGER_INPUTS,
+    OP_NAME,
+    OP_OUTPUTS,
+    OP_PACKED_INPUTS,
+    OP_PRO_INPUTS,
+    OP_VERSION,
+)
 
-NAMES = ["query", "key", "value", "gate_logits", "gate_bias", "past_key", "past_value", "past_gate", "attention_mask",
-         "cache_position", "window_starts"]  # fmt: skip
-PRO_NAMES = ["key_shift_logits", "past_key_shift", "value_shift_logits", "past_value_shift", "query_norm", "key_norm",
-             "output_norm", "output_gate_logits"]  # fmt: skip
-OUTPUTS = ["output", "present_key", "present_value", "present_gate"]
-SHIFT_OUTPUTS = ["present_key_shift", "present_value_shift", "key_shift_states", "value_shift_states"]
+NAMES = [name for name in OP_INPUTS if name not in OP_PRO_INPUTS]
+PRO_NAMES = list(OP_PRO_INPUTS)
+OUTPUTS = [name for name in OP_OUTPUTS if "shift" not in name]
+SHIFT_OUTPUTS = [name for name in OP_OUTPUTS if "shift" in name]
 
 
 @pytest.fixture(scope="module")
@@ -30,22 +39,22 @@ def library():
 
 
 def _session(
-    library, heads: int, kv_heads: int, names: list[str] = NAMES, outputs: list[str] = OUTPUTS, **attributes
+    library, heads: int, kv_heads: int, names: list[str] = NAMES, outputs: list[str] = OUTPUTS,
+    version: int = OP_VERSION, **attributes
 ) -> ort.InferenceSession:  # fmt: skip
-    floats = {"query": 3, "key": 3, "value": 3, "gate_logits": 3, "gate_bias": 1, "past_key": 4, "past_value": 4,
-              "past_gate": 3, "key_shift_logits": 3, "past_key_shift": 2, "value_shift_logits": 3,
-              "past_value_shift": 2, "query_norm": 1, "key_norm": 1, "output_norm": 1,
-              "output_gate_logits": 3}  # fmt: skip
-    types = {**{n: (TensorProto.FLOAT, r) for n, r in floats.items()}, "attention_mask": (TensorProto.INT64, 2),
-             "cache_position": (TensorProto.INT64, 1), "window_starts": (TensorProto.INT64, 1)}  # fmt: skip
-    inputs = [helper.make_tensor_value_info(n, types[n][0], [None] * types[n][1]) for n in names if n]
+    ranks = {"query": 3, "key": 3, "value": 3, "gate_logits": 3, "gate_bias": 1, "past_key": 4, "past_value": 4,
+             "past_gate": 3, "attention_mask": 2, "cache_position": 1, "window_starts": 1, "key_shift_logits": 3,
+             "past_key_shift": 2, "value_shift_logits": 3, "past_value_shift": 2, "query_norm": 1, "key_norm": 1,
+             "output_norm": 1, "output_gate_logits": 3}  # fmt: skip
+    kinds = {n: TensorProto.INT64 if n in OP_INTEGER_INPUTS else TensorProto.FLOAT for n in OP_INPUTS}
+    inputs = [helper.make_tensor_value_info(n, kinds[n], [None] * ranks[n]) for n in names if n]
     node = helper.make_node(
         OP_NAME, names, outputs, domain=OP_DOMAIN, num_heads=heads, kv_num_heads=kv_heads, **attributes
     )  # fmt: skip
     outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in outputs]
     model = helper.make_model(
         helper.make_graph([node], "fused", inputs, outputs),
-        opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid(OP_DOMAIN, OP_VERSION)], ir_version=10,
+        opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid(OP_DOMAIN, version)], ir_version=10,
     )  # fmt: skip
     options = ort.SessionOptions()
     options.intra_op_num_threads = 2
@@ -313,7 +322,7 @@ def test_refuses_a_shift_without_its_state(library):
         _session(library, 2, 2, names, OUTPUTS + SHIFT_OUTPUTS).run(None, feeds)
 
 
-PACKED = ["query", "key", "value", "gate_logits", "key_shift_logits", "value_shift_logits", "output_gate_logits"]
+PACKED = list(OP_PACKED_INPUTS)
 
 
 @pytest.mark.parametrize("pro", [False, True], ids=["fox", "fox-pro"])
@@ -340,3 +349,32 @@ def test_reads_its_inputs_from_the_joined_projection(library, pro):
     expected = naive(feeds, heads, kv_heads)
     for name, actual, wanted in zip(outputs, session.run(None, packed), expected, strict=True):
         np.testing.assert_allclose(actual, wanted, rtol=0, atol=2e-5, err_msg=name)
+
+
+def _snake(enumerator: str) -> str:
+    """kPastKeyShift -> past_key_shift"""
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", enumerator.strip().removeprefix("k")).lower()
+
+
+def _enum(name: str) -> list[str]:
+    """The enumerators of the C++ op's enum `name`, in snake case, less the last (their count)."""
+    body = re.search(rf"enum {name}\b[^{{]*\{{(.*?)\}};", SOURCE.read_text(), re.DOTALL).group(1)
+    return [_snake(item) for item in re.sub(r"//[^\n]*", "", body).split(",") if item.strip()][:-1]
+
+
+def test_the_native_op_names_the_contracts_inputs_and_outputs_in_its_order():
+    """The C++ op reads its inputs and writes its outputs by the names runtime/contract.py lists, in that order, and
+    packed_offsets places the inputs the contract says."""
+    assert _enum("Input") == list(OP_INPUTS)
+    assert _enum("Output") == list(OP_OUTPUTS)
+    packed = re.search(r"kPacked\[\] = \{(.*?)\};", SOURCE.read_text(), re.DOTALL).group(1)
+    assert [_snake(item) for item in packed.split(",")] == list(OP_PACKED_INPUTS)
+
+
+def test_the_library_implements_the_contracts_op_version(library):
+    """The version the library declares to onnxruntime (the op's since-version) is the contract's, and the
+    manifest's entry records it: a graph of an older version finds no kernel."""
+    assert library_version(library) == OP_VERSION
+    assert manifest_entry(library)["version"] == OP_VERSION
+    with pytest.raises(Exception, match="not a registered function/op"):
+        _session(library, 2, 2, version=OP_VERSION - 1)

@@ -1,13 +1,21 @@
 """exporters/translations.py: each custom lowering, exported alone through torch.onnx and run by onnxruntime, against
 eager PyTorch (or float64) on random inputs, and the nodes it emits."""
 
+import inspect
+
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
 import torch
 
-from exporters.translations import lower_decay_after, lower_softplus, translations  # registers the kvg ops too
+from exporters.translations import (  # registers the kvg ops too
+    lower_decay_after,
+    lower_fox_attention,
+    lower_softplus,
+    translations,
+)
+from runtime.contract import OP_INPUTS
 
 HEADS, KV_HEADS, HEAD_DIM, BUFFER = 4, 2, 8, 10  # the in-place attention's cases: two query heads a kv head
 
@@ -129,3 +137,11 @@ def test_the_in_place_attention_lowering_matches_the_ops_eager_implementation(at
         assert {a.name: a.i for a in node.attribute} == {"num_heads": HEADS, "kv_num_heads": KV_HEADS}
     else:
         assert ops.count("TensorScatter") == 2 and ops.count("Attention") == 1 and "GroupQueryAttention" not in ops
+
+
+def test_the_fused_attention_op_and_its_lowering_take_the_contracts_inputs_in_its_order():
+    """kvg::fox_attention's tensors and the lowering's first parameters are the fused operator's inputs."""
+    schema = torch.ops.kvg.fox_attention.default._schema
+    tensors = [argument.name for argument in schema.arguments if "Tensor" in str(argument.type)]
+    assert tensors == list(OP_INPUTS)
+    assert list(inspect.signature(lower_fox_attention).parameters)[: len(OP_INPUTS)] == list(OP_INPUTS)

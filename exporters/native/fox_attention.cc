@@ -1,4 +1,6 @@
-// FoX attention over the gated cache as one onnxruntime custom op: kvg.fox FoxAttention, version 3.
+// FoX attention over the gated cache as one onnxruntime custom op: kvg.fox FoxAttention, of the version the build
+// names (KVG_FOX_OP_VERSION: exporters/native_library.py passes runtime/contract.py's OP_VERSION), which the op
+// declares to onnxruntime as its since-version and the library exports as KvgFoxOpVersion() for the manifest.
 //
 // A layer's step in one node: FoX-Pro's work before attention (token shift, QK-norm) on the new queries, keys and
 // values; the new keys, values and log forget gates written into the cache buffers (in place where the runtime binds
@@ -15,34 +17,15 @@
 // h reads its buffer rows from slot 0, which is the window's slot window_starts[h] (forget-gate pruning dropped the
 // slots before), so heads of one layer may hold windows of different lengths.
 //
-// Inputs (B rows, S new tokens, H query heads, K kv heads, D head_dim, L buffer slots, W window slots):
-//   0 query [B, S, H*D] float   1 key [B, S, K*D] float   2 value [B, S, K*D] float
-//   3 gate_logits [B, S, H] float: the forget gate's pre-activation z, less its bias
-//   4 gate_bias [H] float, optional (absent: 0; +inf: no forget gate)
-//   5 past_key [B, K, L, D]   6 past_value [B, K, L, D]   7 past_gate [B, H, L] float (log forget gates)
-//   8 attention_mask [B or 1, W] int64: which window slots hold real tokens (0: padding, or another row's slot)
-//   9 cache_position [S] int64: the window slots of the new tokens, consecutive
-//   10 window_starts [K] int64, optional (absent: all 0)
-//   FoX-Pro, each optional (absent: not done):
-//   11 key_shift_logits [B, S, K], 12 past_key_shift [B, K*D]: the key's token shift. With r_t the token's key (0 for
-//      a padding token) and a = sigmoid(logit) per kv head, the key is a r_{t-1} + (1 - a) r_t, r before the first
-//      new token being past_key_shift
-//   13 value_shift_logits [B, S, K], 14 past_value_shift [B, K*D]: the same for the value
-//   15 query_norm [D or H*D], 16 key_norm [D or K*D]: QK-norm, x / sqrt(mean(x^2) + qk_norm_epsilon) * weight per
-//      head, after the shift
-//   17 output_norm [D or H*D]: the same per head of the output (output_norm_epsilon)
-//   18 output_gate_logits [B, S, H*D]: the output times their activation (output_gate_activation)
+// Inputs and outputs: see the `Input` and `Output` enums below, which name them in the node's order (B rows, S new
+// tokens, H query heads, K kv heads, D head_dim, L buffer slots, W window slots).
 // Attributes: num_heads (H), kv_num_heads (K); qk_norm_epsilon (1e-5), output_norm_epsilon (1e-6),
 //   output_gate_activation ("sigmoid" or "silu"); packed_offsets, optional: 7 column offsets (-1: not packed) of
-//   query, key, value, gate_logits, key_shift_logits, value_shift_logits and output_gate_logits in input 0, which is
+//   query, key, value, gate_logits, key_shift_logits, value_shift_logits and output_gate_logits in the query, which is
 //   then the layer's joined projection [B, S, N] holding them side by side (their own inputs left out), so that the
 //   graph needs no Split to cut it.
-// Outputs: 0 output [B, S, H*D]; 1 present_key, 2 present_value [B, K, P, D]; 3 present_gate [B, H, P], where
-//   P = max(L, W - min(window_starts)); optional 4 present_key_shift, 5 present_value_shift [B, K*D] (the last new
-//   token's r; [B, 0] without a shift); optional 6 key_shift_states, 7 value_shift_states [B, S, K*D] (each new
-//   token's r: the state after it, where a speculative run keeps only its first tokens). A present bound to its
-//   past's buffer is written in place; otherwise the past is copied into it first and its slots after the past are
-//   zero.
+// A present bound to its past's buffer is written in place; otherwise the past is copied into it first and its slots
+// after the past are zero.
 //
 // Threads: onnxruntime's intra-op pool, across rows, heads and blocks of queries, and across blocks of keys
 // for a decode step's long window (split-K), whose partial softmaxes are then merged.
@@ -64,6 +47,59 @@
 
 namespace {
 
+// The op's inputs, in the node's order (runtime/contract.py's OP_INPUTS names the same, in snake case)
+enum Input : size_t {
+  kQuery,       // [B, S, H*D] float
+  kKey,         // [B, S, K*D] float
+  kValue,       // [B, S, K*D] float
+  kGateLogits,  // [B, S, H] float: the forget gate's pre-activation z, less its bias
+  kGateBias,    // [H] float, optional (absent: 0; +inf: no forget gate)
+  kPastKey,     // [B, K, L, D]
+  kPastValue,   // [B, K, L, D]
+  kPastGate,    // [B, H, L] float (log forget gates)
+  kAttentionMask,  // [B or 1, W] int64: which window slots hold real tokens (0: padding, or another row's slot)
+  kCachePosition,  // [S] int64: the window slots of the new tokens, consecutive
+  kWindowStarts,   // [K] int64, optional (absent: all 0)
+  // FoX-Pro's, each optional (absent: not done). The key's token shift: with r_t the token's key (0 for a padding
+  // token) and a = sigmoid(logit) per kv head, the key is a r_{t-1} + (1 - a) r_t, r before the first new token being
+  // the past shift state
+  kKeyShiftLogits,    // [B, S, K]
+  kPastKeyShift,      // [B, K*D]
+  kValueShiftLogits,  // [B, S, K]: the same for the value
+  kPastValueShift,    // [B, K*D]
+  // QK-norm, x / sqrt(mean(x^2) + qk_norm_epsilon) * weight per head, after the shift
+  kQueryNorm,  // [D or H*D]
+  kKeyNorm,    // [D or K*D]
+  kOutputNorm,        // [D or H*D]: the same per head of the output (output_norm_epsilon)
+  kOutputGateLogits,  // [B, S, H*D]: the output times their activation (output_gate_activation)
+  kInputCount
+};
+
+// The op's outputs, in the node's order (runtime/contract.py's OP_OUTPUTS); P = max(L, W - min(window_starts))
+enum Output : size_t {
+  kOutput,        // [B, S, H*D]
+  kPresentKey,    // [B, K, P, D]
+  kPresentValue,  // [B, K, P, D]
+  kPresentGate,   // [B, H, P]
+  // optional: the last new token's r ([B, 0] without a shift)
+  kPresentKeyShift,    // [B, K*D]
+  kPresentValueShift,  // [B, K*D]
+  // optional: each new token's r, the state after it, where a speculative run keeps only its first tokens
+  kKeyShiftStates,    // [B, S, K*D]
+  kValueShiftStates,  // [B, S, K*D]
+  kOutputCount
+};
+
+constexpr bool integer_input(size_t index) {  // every other input is float
+  return index == kAttentionMask || index == kCachePosition || index == kWindowStarts;
+}
+// The inputs packed_offsets places, in its order (runtime/contract.py's OP_PACKED_INPUTS)
+constexpr Input kPacked[] = {kQuery, kKey, kValue, kGateLogits, kKeyShiftLogits, kValueShiftLogits, kOutputGateLogits};
+
+#ifndef KVG_FOX_OP_VERSION
+#error "build with -DKVG_FOX_OP_VERSION=<runtime/contract.py's OP_VERSION> (exporters/native_library.py does)"
+#endif
+constexpr int kVersion = KVG_FOX_OP_VERSION;
 constexpr const char* kDomain = "kvg.fox";
 constexpr int64_t kQueryBlock = 64;    // queries that share one transposed block of keys
 constexpr int64_t kKeyBlock = 128;     // keys scored at once
@@ -95,11 +131,6 @@ inline float exp_approx(float x) {
   return x < kExpUnderflow ? 0.0f : y * scale;
 }
 
-constexpr size_t kInputs = 19;
-// attention_mask, cache_position and window_starts; every other input is float
-constexpr bool integer_input(size_t index) { return index >= 8 && index <= 10; }
-constexpr size_t kPacked[] = {0, 1, 2, 3, 11, 13, 18};  // the inputs packed_offsets places, in its order
-
 // A float input as the kernel reads it: its own tensor, or its columns of the joined projection copied out
 struct View {
   const float* data = nullptr;
@@ -121,14 +152,14 @@ struct Problem {
   int64_t query_blocks, splits;
   std::vector<float> partial;   // split-K: per (row, head, query, split) the max, the sum and D accumulators
   float scale;
-  // FoX-Pro's work where the node has it (null: not done; see the contract): inputs 11 to 18, outputs 4 and 5
+  // FoX-Pro's work where the node has it (null: not done; see the contract): its inputs, the present shift states
   const float *key_shift_logits, *past_key_shift, *value_shift_logits, *past_value_shift;
   const float *query_norm, *key_norm, *output_norm, *output_gate;
   int64_t query_norm_size, key_norm_size, output_norm_size;
   float *next_key_shift, *next_value_shift;
-  float *key_shift_states, *value_shift_states;  // outputs 6 and 7 where the node has them (else null)
+  float *key_shift_states, *value_shift_states;  // each new token's shift states where the node has them (else null)
   std::vector<float> prepared;  // the new queries, keys and values after the shift and QK-norm
-  std::array<View, kInputs> inputs;
+  std::array<View, kInputCount> inputs;
   std::vector<float> unpacked;  // the packed inputs' columns, one after another
 
   int64_t group() const { return heads / kv_heads; }
@@ -398,18 +429,39 @@ struct Scratch {
 };
 thread_local Scratch scratch;
 
-// One task: queries [first, last) of (row, head), keys of part `split` of its window, in blocks of kKeyBlock with
-// a running softmax per query
-void attend(Problem& p, int64_t task) {
-  const int64_t split = task % p.splits;
-  int64_t rest = task / p.splits;
+// One task's share of the attention: queries [first, first + count) of (row, head), and the keys [key_begin, key_end)
+// of part `split` of their window
+struct Task {
+  int64_t row, head, split, first, count, key_begin, key_end;
+};
+
+// A task's working memory laid out: the running softmax of each query (its maximum, its sum and its D accumulators)
+// over its rows, a chunk's queries and zero rows up to a multiple of kTileRows; a decode step's one query, or a few (a
+// token and its drafts), read each key and value row from L1 instead, sparing the block's transposition
+struct Tiles {
+  bool tiled;
+  int64_t rows;
+  float* queries;  // scaled
+  float* acc;
+  float* transposed;
+  float* scores;  // a row per query, its weights once exponentiated
+  float* maxima;
+  float* totals;
+  float* decay;     // a block's gate sums from its first slot
+  int64_t* seen_by;  // how many of a block's keys each query reads (0: none it may attend)
+};
+
+// Task `index`'s queries and keys: from the first slot any of its queries may attend (a row's padding and the slots
+// before its prompt are skipped, so a row reads its own window however long the others' are) to the latest it reads,
+// cut into p.splits parts
+Task task_of(const Problem& p, int64_t index) {
+  const int64_t split = index % p.splits;
+  int64_t rest = index / p.splits;
   const int64_t block = rest % p.query_blocks;
   rest /= p.query_blocks;
   const int64_t head = rest % p.heads, row = rest / p.heads;
-  const int64_t first = block * kQueryBlock, last = std::min(p.seq, first + kQueryBlock), count = last - first;
-  const int64_t dim = p.dim, kv_head = head / p.group(), start = p.start(head), own = p.own_window(head);
-  // The block's keys: from the first slot any of its queries may attend (a row's padding and the slots before its
-  // prompt are skipped, so a row reads its own window however long the others' are) to the latest it reads
+  const int64_t first = block * kQueryBlock, last = std::min(p.seq, first + kQueryBlock);
+  const int64_t start = p.start(head), own = p.own_window(head);
   int64_t oldest = own, newest = 0;
   for (int64_t i = first; i < last; ++i) {
     const int64_t end = std::min(own, p.positions[i] - start + 1);
@@ -418,124 +470,168 @@ void attend(Problem& p, int64_t task) {
   }
   const int64_t part = (std::max<int64_t>(newest - oldest, 0) + p.splits - 1) / p.splits;
   const int64_t key_begin = oldest + split * part;
-  const int64_t key_end = std::min(newest, key_begin + part);
+  return Task{row, head, split, first, last - first, key_begin, std::min(newest, key_begin + part)};
+}
 
-  // A chunk's scores and value sums in register tiles, over its queries and zero rows up to a multiple of kTileRows; a
-  // decode step's one query, or a few (a token and its drafts), read each key and value row from L1 instead, sparing
-  // the block's transposition
-  const bool tiled = count > kRowQueries;
-  const int64_t rows = tiled ? (count + kTileRows - 1) / kTileRows * kTileRows : count;
+// The task's working memory from the thread's scratch: its queries scaled, the running softmaxes empty
+Tiles tiles_for(const Problem& p, const Task& t) {
+  const int64_t dim = p.dim, count = t.count;
+  Tiles w;
+  w.tiled = count > kRowQueries;
+  w.rows = w.tiled ? (count + kTileRows - 1) / kTileRows * kTileRows : count;
+  const int64_t rows = w.rows;
   scratch.floats.resize(2 * rows * dim + dim * kKeyBlock + rows * kKeyBlock + 2 * rows + kKeyBlock);
   scratch.seen.resize(count);
-  float* queries = scratch.floats.data();  // scaled
-  float* acc = queries + rows * dim;
-  float* transposed = acc + rows * dim;
-  float* scores = transposed + dim * kKeyBlock;  // a row per query, its weights once exponentiated
-  float* maxima = scores + rows * kKeyBlock;
-  float* totals = maxima + rows;
-  float* decay = totals + rows;  // a block's gate sums from its first slot
-  std::fill(queries, queries + 2 * rows * dim, 0.0f);
-  std::fill(maxima, maxima + rows, kNegInf);
-  std::fill(totals, totals + rows, 0.0f);
+  w.queries = scratch.floats.data();
+  w.acc = w.queries + rows * dim;
+  w.transposed = w.acc + rows * dim;
+  w.scores = w.transposed + dim * kKeyBlock;
+  w.maxima = w.scores + rows * kKeyBlock;
+  w.totals = w.maxima + rows;
+  w.decay = w.totals + rows;
+  w.seen_by = scratch.seen.data();
+  std::fill(w.queries, w.queries + 2 * rows * dim, 0.0f);
+  std::fill(w.maxima, w.maxima + rows, kNegInf);
+  std::fill(w.totals, w.totals + rows, 0.0f);
   for (int64_t i = 0; i < count; ++i) {
-    const float* q = p.query + ((row * p.seq + first + i) * p.heads + head) * dim;
-    for (int64_t d = 0; d < dim; ++d) queries[i * dim + d] = q[d] * p.scale;
+    const float* q = p.query + ((t.row * p.seq + t.first + i) * p.heads + t.head) * dim;
+    for (int64_t d = 0; d < dim; ++d) w.queries[i * dim + d] = q[d] * p.scale;
   }
-  const float* keys = p.keys_of(row, kv_head);
-  const float* values = p.values_of(row, kv_head);
-  const double* sums = p.sums.data() + (row * p.heads + head) * p.length;
-  int64_t* seen_by = scratch.seen.data();  // how many of a block's keys each query reads (0: none it may attend)
+  return w;
+}
 
+// How many of the block's keys [begin, begin + width) each query reads; whether any query may attend one (a block
+// none may, a gap in a row's window holding other rows' slots, is skipped)
+bool see_block(const Problem& p, const Task& t, const Tiles& w, int64_t begin, int64_t width) {
+  const int64_t start = p.start(t.head), own = p.own_window(t.head);
+  bool any = false;
+  for (int64_t i = 0; i < t.count; ++i) {
+    const int64_t seen = std::min(width, std::min(own, p.positions[t.first + i] - start + 1) - begin);
+    w.seen_by[i] = seen > 0 && p.first_seen(t.row, t.first + i, start, begin, begin + seen) < begin + seen ? seen : 0;
+    any = any || w.seen_by[i] > 0;
+  }
+  return any;
+}
+
+// The block's scaled scores into w.scores: a small matrix product over the transposed keys for a chunk, the keys
+// read row by row for a few queries
+void score_block(const Problem& p, const Task& t, const Tiles& w, const float* block_keys, int64_t width) {
+  const int64_t dim = p.dim;
+  if (w.tiled) {
+    const int64_t padded = (width + 15) / 16 * 16;
+    for (int64_t j = 0; j < padded; ++j)  // read along the keys' rows; the writes' lines stay in L1
+      for (int64_t d = 0; d < dim; ++d) w.transposed[d * kKeyBlock + j] = j < width ? block_keys[j * dim + d] : 0.0f;
+    tile_product<false, 0, kKeyBlock, kKeyBlock>(w.queries, w.transposed, w.rows, dim, padded, w.scores, dim);
+  } else {
+    score_rows(w.queries, t.count, block_keys, *std::max_element(w.seen_by, w.seen_by + t.count), dim, w.scores);
+  }
+}
+
+// The block's scores made weights: the decay added, the slots a query may not attend masked, and each query's
+// running maximum and sum brought up to date (its accumulators rescaled); whether any query gives a key a weight above
+// 0 (else the block's values are not read)
+bool weigh_block(const Problem& p, const Task& t, const Tiles& w, int64_t begin, int64_t width) {
+  const int64_t dim = p.dim, start = p.start(t.head);
+  const double* sums = p.sums.data() + (t.row * p.heads + t.head) * p.length;
+  // The block's gate sums from its first slot, each rounded once from double: a query's decay to key j is then
+  // its own sum less key j's, both small where the weights are not
+  const int64_t* real = p.real_of(t.row) + start + begin;
+  const bool all_real = std::find(real, real + width, 0) == real + width;
+#pragma omp simd
+  for (int64_t j = 0; j < width; ++j) w.decay[j] = static_cast<float>(sums[begin + j] - sums[begin]);
+  bool weighed = false;
+  for (int64_t i = 0; i < w.rows; ++i) {  // each query's weights, its running maximum and sum brought up to date
+    float* weights = w.scores + i * kKeyBlock;
+    const int64_t seen = i < t.count ? w.seen_by[i] : 0;
+    const int64_t mine = i < t.count ? p.positions[t.first + i] - start : 0;  // the query's own slot
+    const float at_query = seen > 0 ? static_cast<float>(sums[mine] - sums[begin]) : 0.0f;
+#pragma omp simd
+    for (int64_t j = 0; j < seen; ++j) weights[j] += at_query - w.decay[j];
+    if (!all_real)
+      for (int64_t j = 0; j < seen; ++j)  // a padding query attends its own slot alone
+        weights[j] = real[j] || begin + j == mine ? weights[j] : kNegInf;
+    const float block_max = largest(weights, seen);
+    // Nothing to attend, or every weight below the running maximum by more than exp_approx resolves: all 0, and
+    // the maximum, sum and values stay as they are
+    if (block_max == kNegInf || block_max - w.maxima[i] < kExpUnderflow) {
+      std::fill(weights, weights + width, 0.0f);
+      continue;
+    }
+    weighed = true;
+    const float new_max = std::max(w.maxima[i], block_max);
+    const float correction = w.maxima[i] == kNegInf ? 0.0f : exp_approx(w.maxima[i] - new_max);
+    float block_sum = 0.0f;
+#pragma omp simd reduction(+ : block_sum)
+    for (int64_t j = 0; j < seen; ++j) {
+      weights[j] = exp_approx(weights[j] - new_max);
+      block_sum += weights[j];
+    }
+    std::fill(weights + seen, weights + width, 0.0f);
+    w.totals[i] = w.totals[i] * correction + block_sum;
+    w.maxima[i] = new_max;
+    for (int64_t d = 0; d < dim; ++d) w.acc[i * dim + d] *= correction;
+  }
+  return weighed;
+}
+
+// The block's values, each times its weight, added to the queries' accumulators
+void add_values(const Problem& p, const Task& t, const Tiles& w, const float* block_values, int64_t width) {
+  const int64_t dim = p.dim;
+  if (!w.tiled) {
+    value_rows(w.scores, t.count, block_values, *std::max_element(w.seen_by, w.seen_by + t.count), dim, w.acc);
+  } else if (dim % 16 == 0) {
+    tile_product<true, kKeyBlock, 0, 0>(w.scores, block_values, w.rows, width, dim, w.acc, dim);
+  } else {
+    for (int64_t i = 0; i < t.count; ++i)
+      for (int64_t j = 0; j < width; ++j) {
+        const float weight = w.scores[i * kKeyBlock + j];
+        if (weight == 0.0f) continue;
+        const float* v = block_values + j * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) w.acc[i * dim + d] += weight * v[d];
+      }
+  }
+}
+
+// Each query's output, its accumulators over its sum; or, split-K, its maximum, sum and accumulators for `merge`
+void write_out(Problem& p, const Task& t, const Tiles& w) {
+  const int64_t dim = p.dim;
+  for (int64_t i = 0; i < t.count; ++i) {
+    const int64_t query = t.first + i;
+    if (p.splits == 1) {
+      float* out = p.out + ((t.row * p.seq + query) * p.heads + t.head) * dim;
+      const float inverse = w.totals[i] > 0.0f ? 1.0f / w.totals[i] : 0.0f;
+      for (int64_t d = 0; d < dim; ++d) out[d] = w.acc[i * dim + d] * inverse;
+    } else {
+      float* slot = p.partial.data() + (((t.row * p.heads + t.head) * p.seq + query) * p.splits + t.split) * (dim + 2);
+      slot[0] = w.maxima[i];
+      slot[1] = w.totals[i];
+      std::memcpy(slot + 2, w.acc + i * dim, dim * sizeof(float));
+    }
+  }
+}
+
+// One task (`task_of`): its working memory laid out (`tiles_for`), then its keys in blocks of kKeyBlock, each block
+// seen (`see_block`), scored (`score_block`), weighed into a running softmax per query (`weigh_block`) and its values
+// added (`add_values`); then its outputs written (`write_out`)
+void attend(Problem& p, int64_t index) {
+  const Task t = task_of(p, index);
+  const Tiles w = tiles_for(p, t);
+  const float* keys = p.keys_of(t.row, t.head / p.group());
+  const float* values = p.values_of(t.row, t.head / p.group());
   // The newest block first: its keys decay least, so a query's running maximum is at once near its final one, and an
   // older block whose every weight then rounds to 0 skips its exponentials and its values. The rest follow oldest
   // first, the order the memory prefetcher streams best (newest to oldest measured 12% slower at 16k keys).
-  const int64_t blocks = (std::max<int64_t>(key_end - key_begin, 0) + kKeyBlock - 1) / kKeyBlock;
+  const int64_t blocks = (std::max<int64_t>(t.key_end - t.key_begin, 0) + kKeyBlock - 1) / kKeyBlock;
   for (int64_t step = 0; step < blocks; ++step) {
-    const int64_t begin = key_begin + (step == 0 ? blocks - 1 : step - 1) * kKeyBlock;
-    const int64_t width = std::min(kKeyBlock, key_end - begin);
-    bool any = false;  // a block no query may attend (a gap in a row's window: other rows' slots) is skipped
-    for (int64_t i = 0; i < count; ++i) {
-      const int64_t seen = std::min(width, std::min(own, p.positions[first + i] - start + 1) - begin);
-      seen_by[i] = seen > 0 && p.first_seen(row, first + i, start, begin, begin + seen) < begin + seen ? seen : 0;
-      any = any || seen_by[i] > 0;
-    }
-    if (!any) continue;
-    const float* block_keys = keys + begin * dim;
-    const float* block_values = values + begin * dim;
-    if (tiled) {  // the scores as a small matrix product over the transposed keys
-      const int64_t padded = (width + 15) / 16 * 16;
-      for (int64_t j = 0; j < padded; ++j)  // read along the keys' rows; the writes' lines stay in L1
-        for (int64_t d = 0; d < dim; ++d) transposed[d * kKeyBlock + j] = j < width ? block_keys[j * dim + d] : 0.0f;
-      tile_product<false, 0, kKeyBlock, kKeyBlock>(queries, transposed, rows, dim, padded, scores, dim);
-    } else {
-      score_rows(queries, count, block_keys, *std::max_element(seen_by, seen_by + count), dim, scores);
-    }
-    // The block's gate sums from its first slot, each rounded once from double: a query's decay to key j is then
-    // its own sum less key j's, both small where the weights are not
-    const int64_t* real = p.real_of(row) + start + begin;
-    const bool all_real = std::find(real, real + width, 0) == real + width;
-#pragma omp simd
-    for (int64_t j = 0; j < width; ++j) decay[j] = static_cast<float>(sums[begin + j] - sums[begin]);
-    bool weighed = false;  // whether any query gives a key of the block a weight above 0
-    for (int64_t i = 0; i < rows; ++i) {  // each query's weights, its running maximum and sum brought up to date
-      float* weights = scores + i * kKeyBlock;
-      const int64_t seen = i < count ? seen_by[i] : 0;
-      const int64_t mine = i < count ? p.positions[first + i] - start : 0;  // the query's own slot
-      const float at_query = seen > 0 ? static_cast<float>(sums[mine] - sums[begin]) : 0.0f;
-#pragma omp simd
-      for (int64_t j = 0; j < seen; ++j) weights[j] += at_query - decay[j];
-      if (!all_real)
-        for (int64_t j = 0; j < seen; ++j)  // a padding query attends its own slot alone
-          weights[j] = real[j] || begin + j == mine ? weights[j] : kNegInf;
-      const float block_max = largest(weights, seen);
-      // Nothing to attend, or every weight below the running maximum by more than exp_approx resolves: all 0, and
-      // the maximum, sum and values stay as they are
-      if (block_max == kNegInf || block_max - maxima[i] < kExpUnderflow) {
-        std::fill(weights, weights + width, 0.0f);
-        continue;
-      }
-      weighed = true;
-      const float new_max = std::max(maxima[i], block_max);
-      const float correction = maxima[i] == kNegInf ? 0.0f : exp_approx(maxima[i] - new_max);
-      float block_sum = 0.0f;
-#pragma omp simd reduction(+ : block_sum)
-      for (int64_t j = 0; j < seen; ++j) {
-        weights[j] = exp_approx(weights[j] - new_max);
-        block_sum += weights[j];
-      }
-      std::fill(weights + seen, weights + width, 0.0f);
-      totals[i] = totals[i] * correction + block_sum;
-      maxima[i] = new_max;
-      for (int64_t d = 0; d < dim; ++d) acc[i * dim + d] *= correction;
-    }
-    if (!weighed) continue;
-    if (!tiled) {
-      value_rows(scores, count, block_values, *std::max_element(seen_by, seen_by + count), dim, acc);
-    } else if (dim % 16 == 0) {
-      tile_product<true, kKeyBlock, 0, 0>(scores, block_values, rows, width, dim, acc, dim);
-    } else {
-      for (int64_t i = 0; i < count; ++i)
-        for (int64_t j = 0; j < width; ++j) {
-          const float w = scores[i * kKeyBlock + j];
-          if (w == 0.0f) continue;
-          const float* v = block_values + j * dim;
-#pragma omp simd
-          for (int64_t d = 0; d < dim; ++d) acc[i * dim + d] += w * v[d];
-        }
-    }
+    const int64_t begin = t.key_begin + (step == 0 ? blocks - 1 : step - 1) * kKeyBlock;
+    const int64_t width = std::min(kKeyBlock, t.key_end - begin);
+    if (!see_block(p, t, w, begin, width)) continue;
+    score_block(p, t, w, keys + begin * p.dim, width);
+    if (!weigh_block(p, t, w, begin, width)) continue;
+    add_values(p, t, w, values + begin * p.dim, width);
   }
-  for (int64_t i = 0; i < count; ++i) {
-    if (p.splits == 1) {
-      float* out = p.out + ((row * p.seq + first + i) * p.heads + head) * dim;
-      const float inverse = totals[i] > 0.0f ? 1.0f / totals[i] : 0.0f;
-      for (int64_t d = 0; d < dim; ++d) out[d] = acc[i * dim + d] * inverse;
-    } else {
-      float* slot = p.partial.data() + (((row * p.heads + head) * p.seq + first + i) * p.splits + split) * (dim + 2);
-      slot[0] = maxima[i];
-      slot[1] = totals[i];
-      std::memcpy(slot + 2, acc + i * dim, dim * sizeof(float));
-    }
-  }
+  write_out(p, t, w);
 }
 
 // Split-K: one query's parts, merged by their maxima
@@ -618,15 +714,15 @@ struct FoxAttentionKernel {
     thread_local Problem kept;
     Problem& p = kept;  // the workers' tasks capture this reference: they read the calling thread's run
     if (OrtStatusPtr refused = view_inputs(context, p)) return refused;
-    auto shape = [&](size_t index) {
+    auto shape = [&](Input index) {
       return integer_input(index) ? context.GetInput(index).GetTensorTypeAndShapeInfo().GetShape()
                                   : p.inputs[index].shape;
     };
-    auto given = [&](size_t index) { return context.GetInputCount() > index && context.GetInput(index) != nullptr; };
-    const auto query = shape(0), key = shape(1), logits = shape(3), past_key = shape(5), past_gate = shape(7),
-               mask = shape(8), positions = shape(9);
-    if (query.size() != 3 || key.size() != 3 || shape(2) != key || logits.size() != 3 || past_key.size() != 4 ||
-        shape(6) != past_key || past_gate.size() != 3 || mask.size() != 2 || positions.size() != 1)
+    auto given = [&](Input index) { return context.GetInputCount() > index && context.GetInput(index) != nullptr; };
+    const auto query = shape(kQuery), key = shape(kKey), logits = shape(kGateLogits), past_key = shape(kPastKey),
+               past_gate = shape(kPastGate), mask = shape(kAttentionMask), positions = shape(kCachePosition);
+    if (query.size() != 3 || key.size() != 3 || shape(kValue) != key || logits.size() != 3 || past_key.size() != 4 ||
+        shape(kPastValue) != past_key || past_gate.size() != 3 || mask.size() != 2 || positions.size() != 1)
       return fail("inputs of the wrong rank (see the op's contract)");
     p.batch = query[0];
     p.seq = query[1];
@@ -638,26 +734,28 @@ struct FoxAttentionKernel {
     if (p.seq < 1 || query[2] != heads * p.dim || key[0] != p.batch || key[1] != p.seq || key[2] != kv_heads * p.dim ||
         logits != std::vector<int64_t>{p.batch, p.seq, heads} || past_key[0] != p.batch || past_key[1] != kv_heads ||
         past_gate != std::vector<int64_t>{p.batch, heads, p.past} || (mask[0] != 1 && mask[0] != p.batch) ||
-        positions[0] != p.seq || (given(4) && shape(4) != std::vector<int64_t>{heads}))
+        positions[0] != p.seq || (given(kGateBias) && shape(kGateBias) != std::vector<int64_t>{heads}))
       return fail("input shapes do not agree (see the op's contract)");
     p.gate_bias.assign(heads, 0.0f);
-    if (given(4)) std::memcpy(p.gate_bias.data(), p.inputs[4].data, heads * sizeof(float));
+    if (given(kGateBias)) std::memcpy(p.gate_bias.data(), p.inputs[kGateBias].data, heads * sizeof(float));
     p.starts.assign(kv_heads, 0);
-    if (given(10)) {
-      if (shape(10) != std::vector<int64_t>{kv_heads}) return fail("window_starts must be [kv_num_heads]");
-      std::memcpy(p.starts.data(), context.GetInput(10).GetTensorData<int64_t>(), kv_heads * sizeof(int64_t));
+    if (given(kWindowStarts)) {
+      if (shape(kWindowStarts) != std::vector<int64_t>{kv_heads}) return fail("window_starts must be [kv_num_heads]");
+      const int64_t* starts = context.GetInput(kWindowStarts).GetTensorData<int64_t>();
+      std::memcpy(p.starts.data(), starts, kv_heads * sizeof(int64_t));
     }
     const int64_t earliest = *std::min_element(p.starts.begin(), p.starts.end());
     if (earliest < 0 || *std::max_element(p.starts.begin(), p.starts.end()) >= p.window)
       return fail("window_starts must lie inside the window");
     p.length = std::max(p.past, p.window - earliest);
-    p.query = p.inputs[0].data;
-    p.key = p.inputs[1].data;
-    p.value = p.inputs[2].data;
-    p.gate_logits = p.inputs[3].data;
-    p.mask = context.GetInput(8).GetTensorData<int64_t>();  // read in place: a step copies nothing of the window
+    p.query = p.inputs[kQuery].data;
+    p.key = p.inputs[kKey].data;
+    p.value = p.inputs[kValue].data;
+    p.gate_logits = p.inputs[kGateLogits].data;
+    // read in place: a step copies nothing of the window
+    p.mask = context.GetInput(kAttentionMask).GetTensorData<int64_t>();
     p.mask_row = mask[0] == 1 ? 0 : p.window;
-    p.positions = context.GetInput(9).GetTensorData<int64_t>();
+    p.positions = context.GetInput(kCachePosition).GetTensorData<int64_t>();
     for (int64_t i = 0; i < p.seq; ++i)
       if (p.positions[i] != p.positions[0] + i || p.positions[i] >= p.window)
         return fail("cache_position must be consecutive slots inside the window");
@@ -666,25 +764,25 @@ struct FoxAttentionKernel {
     p.scale = 1.0f / std::sqrt(static_cast<float>(p.dim));
     if (OrtStatusPtr refused = take_pro_inputs(p)) return refused;
 
-    auto out = context.GetOutput(0, query);
-    auto present_key = context.GetOutput(1, {p.batch, kv_heads, p.length, p.dim});
-    auto present_value = context.GetOutput(2, {p.batch, kv_heads, p.length, p.dim});
-    auto present_gate = context.GetOutput(3, {p.batch, heads, p.length});
+    auto out = context.GetOutput(kOutput, query);
+    auto present_key = context.GetOutput(kPresentKey, {p.batch, kv_heads, p.length, p.dim});
+    auto present_value = context.GetOutput(kPresentValue, {p.batch, kv_heads, p.length, p.dim});
+    auto present_gate = context.GetOutput(kPresentGate, {p.batch, heads, p.length});
     p.out = out.GetTensorMutableData<float>();
     p.keys = present_key.GetTensorMutableData<float>();
     p.values = present_value.GetTensorMutableData<float>();
     p.gates = present_gate.GetTensorMutableData<float>();
-    p.next_key_shift = shift_state(context, 4, p.key_shift_logits != nullptr, false, p);
-    p.next_value_shift = shift_state(context, 5, p.value_shift_logits != nullptr, false, p);
-    p.key_shift_states = shift_state(context, 6, p.key_shift_logits != nullptr, true, p);
-    p.value_shift_states = shift_state(context, 7, p.value_shift_logits != nullptr, true, p);
+    p.next_key_shift = shift_state(context, kPresentKeyShift, p.key_shift_logits != nullptr, false, p);
+    p.next_value_shift = shift_state(context, kPresentValueShift, p.value_shift_logits != nullptr, false, p);
+    p.key_shift_states = shift_state(context, kKeyShiftStates, p.key_shift_logits != nullptr, true, p);
+    p.value_shift_states = shift_state(context, kValueShiftStates, p.value_shift_logits != nullptr, true, p);
     if ((p.key_shift_logits != nullptr && p.next_key_shift == nullptr) ||
         (p.value_shift_logits != nullptr && p.next_value_shift == nullptr))
       return fail("a token shift needs its present state among the outputs");
     prepare(p, qk_norm_epsilon);
-    carry_over(p.inputs[5].data, p.keys, p.batch * kv_heads, p.past, p.length, p.dim);
-    carry_over(p.inputs[6].data, p.values, p.batch * kv_heads, p.past, p.length, p.dim);
-    carry_over(p.inputs[7].data, p.gates, p.batch * heads, p.past, p.length, 1);
+    carry_over(p.inputs[kPastKey].data, p.keys, p.batch * kv_heads, p.past, p.length, p.dim);
+    carry_over(p.inputs[kPastValue].data, p.values, p.batch * kv_heads, p.past, p.length, p.dim);
+    carry_over(p.inputs[kPastGate].data, p.gates, p.batch * heads, p.past, p.length, 1);
     write_new(p);
 
     const int64_t longest = p.window - earliest;
@@ -705,9 +803,9 @@ struct FoxAttentionKernel {
     return nullptr;
   }
 
-  // The float inputs as the kernel reads them: each its own tensor, or (packed_offsets) its columns of input 0
+  // The float inputs as the kernel reads them: each its own tensor, or (packed_offsets) its columns of the query
   OrtStatusPtr view_inputs(Ort::KernelContext& context, Problem& p) const {
-    for (size_t index = 0; index < kInputs; ++index) {
+    for (size_t index = 0; index < kInputCount; ++index) {
       p.inputs[index] = View{};
       if (integer_input(index) || context.GetInputCount() <= index || context.GetInput(index) == nullptr)
         continue;
@@ -715,15 +813,15 @@ struct FoxAttentionKernel {
       p.inputs[index] = View{input.GetTensorData<float>(), input.GetTensorTypeAndShapeInfo().GetShape()};
     }
     if (packed.empty()) {
-      for (size_t index : {1, 2, 3})
+      for (Input index : {kKey, kValue, kGateLogits})
         if (p.inputs[index].data == nullptr)
           return fail("key, value and gate_logits are inputs unless packed_offsets places them");
       return nullptr;
     }
-    const View joined = p.inputs[0];
-    if (joined.shape.size() != 3 || p.inputs[5].shape.size() != 4)
+    const View joined = p.inputs[kQuery];
+    if (joined.shape.size() != 3 || p.inputs[kPastKey].shape.size() != 4)
       return fail("inputs of the wrong rank (see the op's contract)");
-    const int64_t dim = p.inputs[5].shape[3], rows = joined.shape[0] * joined.shape[1], total = joined.shape[2];
+    const int64_t dim = p.inputs[kPastKey].shape[3], rows = joined.shape[0] * joined.shape[1], total = joined.shape[2];
     const int64_t widths[] = {heads * dim, kv_heads * dim, kv_heads * dim, heads, kv_heads, kv_heads, heads * dim};
     int64_t needed = 0;
     for (size_t k = 0; k < packed.size(); ++k) {
@@ -743,9 +841,9 @@ struct FoxAttentionKernel {
     return nullptr;
   }
 
-  // A token shift's state output, where the node has it: 4 or 5 after the step [B, K*D], 6 or 7 after each new token
-  // [B, S, K*D] (`per_token`); null, and its last axis 0, where the model does not shift that projection
-  float* shift_state(Ort::KernelContext& context, size_t index, bool shifted, bool per_token, const Problem& p) const {
+  // A token shift's state output, where the node has it: a present one after the step [B, K*D], or the states after
+  // each new token [B, S, K*D] (`per_token`); null, and its last axis 0, where the model does not shift that projection
+  float* shift_state(Ort::KernelContext& context, Output index, bool shifted, bool per_token, const Problem& p) const {
     if (context.GetOutputCount() <= index) return nullptr;
     const int64_t width = shifted ? kv_heads * p.dim : 0;
     auto state = per_token ? context.GetOutput(index, {p.batch, p.seq, width})
@@ -753,15 +851,15 @@ struct FoxAttentionKernel {
     return shifted ? state.GetTensorMutableData<float>() : nullptr;
   }
 
-  // Inputs 11 to 18 into the problem, their shapes checked (null where absent)
+  // FoX-Pro's inputs into the problem, their shapes checked (null where absent)
   OrtStatusPtr take_pro_inputs(Problem& p) const {
     bool agree = true;
-    auto data = [&](size_t index, std::initializer_list<int64_t> expected) {
+    auto data = [&](Input index, std::initializer_list<int64_t> expected) {
       const View& input = p.inputs[index];
       agree = agree && (input.data == nullptr || std::ranges::equal(input.shape, expected));
       return input.data;
     };
-    auto norm = [&](size_t index, int64_t norm_heads, int64_t& size) {
+    auto norm = [&](Input index, int64_t norm_heads, int64_t& size) {
       const View& input = p.inputs[index];
       size = 1;
       for (int64_t extent : input.shape) size *= extent;
@@ -769,14 +867,14 @@ struct FoxAttentionKernel {
       return input.data;
     };
     const int64_t width = kv_heads * p.dim;
-    p.key_shift_logits = data(11, {p.batch, p.seq, kv_heads});
-    p.past_key_shift = data(12, {p.batch, width});
-    p.value_shift_logits = data(13, {p.batch, p.seq, kv_heads});
-    p.past_value_shift = data(14, {p.batch, width});
-    p.query_norm = norm(15, heads, p.query_norm_size);
-    p.key_norm = norm(16, kv_heads, p.key_norm_size);
-    p.output_norm = norm(17, heads, p.output_norm_size);
-    p.output_gate = data(18, {p.batch, p.seq, heads * p.dim});
+    p.key_shift_logits = data(kKeyShiftLogits, {p.batch, p.seq, kv_heads});
+    p.past_key_shift = data(kPastKeyShift, {p.batch, width});
+    p.value_shift_logits = data(kValueShiftLogits, {p.batch, p.seq, kv_heads});
+    p.past_value_shift = data(kPastValueShift, {p.batch, width});
+    p.query_norm = norm(kQueryNorm, heads, p.query_norm_size);
+    p.key_norm = norm(kKeyNorm, kv_heads, p.key_norm_size);
+    p.output_norm = norm(kOutputNorm, heads, p.output_norm_size);
+    p.output_gate = data(kOutputGateLogits, {p.batch, p.seq, heads * p.dim});
     if (!agree)
       return fail("FoX-Pro inputs (token shift, norms, output gate) of the wrong shape (see the op's contract)");
     if ((p.key_shift_logits == nullptr) != (p.past_key_shift == nullptr) ||
@@ -817,6 +915,7 @@ T attribute_or(const Ort::ConstKernelInfo& info, const char* name, T fallback) {
 }
 
 struct FoxAttentionOp : Ort::CustomOpBase<FoxAttentionOp, FoxAttentionKernel, true> {
+  FoxAttentionOp() { start_ver_ = kVersion; }  // a graph importing kvg.fox at an older version finds no kernel
   OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
     try {
       Ort::ConstKernelInfo attributes(info);
@@ -844,21 +943,26 @@ struct FoxAttentionOp : Ort::CustomOpBase<FoxAttentionOp, FoxAttentionKernel, tr
     }
   }
   const char* GetName() const { return "FoxAttention"; }
-  size_t GetInputTypeCount() const { return 19; }
+  size_t GetInputTypeCount() const { return kInputCount; }
   ONNXTensorElementDataType GetInputType(size_t index) const {
     return integer_input(index) ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t index) const {
-    return index == 0 || (index >= 5 && index <= 9) ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
+    // the query and the cache's inputs; key, value and gate_logits may be packed into the query
+    return index == kQuery || (index >= kPastKey && index <= kCachePosition) ? INPUT_OUTPUT_REQUIRED
+                                                                             : INPUT_OUTPUT_OPTIONAL;
   }
-  size_t GetOutputTypeCount() const { return 8; }
+  size_t GetOutputTypeCount() const { return kOutputCount; }
   ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
   OrtCustomOpInputOutputCharacteristic GetOutputCharacteristic(size_t index) const {
-    return index >= 4 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+    return index >= kPresentKeyShift ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
   }
 };
 
 }  // namespace
+
+// The op version the library implements (exporters/native_library.py writes it into the manifest)
+extern "C" __attribute__((visibility("default"))) int KvgFoxOpVersion() { return kVersion; }
 
 extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
   Ort::InitApi(api_base->GetApi(ORT_API_VERSION));

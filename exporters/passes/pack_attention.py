@@ -12,10 +12,10 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from runtime.contract import OP_DOMAIN, OP_NAME
+from runtime.contract import OP_DOMAIN, OP_INPUTS, OP_NAME, OP_PACKED_INPUTS
 
-PACKED_INPUTS = (0, 1, 2, 3, 11, 13, 18)  # the op's inputs packed_offsets places, in its order
-GATE_LOGITS, GATE_BIAS = 3, 4
+PACKED_INPUTS = tuple(OP_INPUTS.index(name) for name in OP_PACKED_INPUTS)  # the node's inputs packed_offsets places
+GATE_LOGITS, GATE_BIAS = OP_INPUTS.index("gate_logits"), OP_INPUTS.index("gate_bias")
 
 
 def _split_widths(split: ir.Node) -> np.ndarray | None:

@@ -25,16 +25,16 @@ def fox_attention(
     value: torch.Tensor,
     gate_logits: torch.Tensor,
     gate_bias: torch.Tensor | None,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    gate_cache: torch.Tensor,
+    past_key: torch.Tensor,
+    past_value: torch.Tensor,
+    past_gate: torch.Tensor,
     attention_mask: torch.Tensor,
     cache_position: torch.Tensor,
-    starts: torch.Tensor | None,
+    window_starts: torch.Tensor | None,
     key_shift_logits: torch.Tensor | None,
-    key_shift: torch.Tensor | None,
+    past_key_shift: torch.Tensor | None,
     value_shift_logits: torch.Tensor | None,
-    value_shift: torch.Tensor | None,
+    past_value_shift: torch.Tensor | None,
     query_norm: torch.Tensor | None,
     key_norm: torch.Tensor | None,
     output_norm: torch.Tensor | None,
@@ -45,36 +45,39 @@ def fox_attention(
     output_norm_epsilon: float,
     output_gate_activation: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """query `[batch, seq, heads*head_dim]`; key, value `[batch, seq, kv_heads*head_dim]`; gate_logits `[batch, seq,
+    """Its tensors are the fused operator's inputs, named and ordered as runtime/contract.py's OP_INPUTS.
+
+    query `[batch, seq, heads*head_dim]`; key, value `[batch, seq, kv_heads*head_dim]`; gate_logits `[batch, seq,
     heads]`, the forget gate's pre-activation, and gate_bias `[heads]` or None (0; +inf: no forget gate) added to it:
-    the new log gates are -softplus(-(logits + bias)), 0 for a padding token; the caches `[batch, kv_heads, past,
-    head_dim]` and `[batch, heads, past]`; attention_mask `[batch or 1, window]`, which window slots hold real tokens (a
-    query attends those up to its own slot, and its own slot); cache_position `[seq]`, the new tokens' consecutive
-    window slots; starts `[kv_heads]` or None (all 0): kv head h's buffer rows begin `starts[h]` slots into the window,
-    so its new entries go to slots `cache_position - starts[h]` and it attends its own slots only.
+    the new log gates are -softplus(-(logits + bias)), 0 for a padding token; the caches past_key, past_value
+    `[batch, kv_heads, past, head_dim]` and past_gate `[batch, heads, past]`; attention_mask `[batch or 1, window]`,
+    which window slots hold real tokens (a query attends those up to its own slot, and its own slot); cache_position
+    `[seq]`, the new tokens' consecutive window slots; window_starts `[kv_heads]` or None (all 0): kv head h's buffer
+    rows begin `window_starts[h]` slots into the window, so its new entries go to slots `cache_position -
+    window_starts[h]` and it attends its own slots only.
 
     FoX-Pro's work, each None where the model has none: the key's and value's token shift (`layers.token_shift`, its
     logits `[batch, seq, kv_heads]` and the state before the step `[batch, kv_heads*head_dim]`), then QK-norm
     (weights `[head_dim]` or one per head), and after attention the output norm and the output gate (its logits
     `[batch, seq, heads*head_dim]` through `output_gate_activation`, sigmoid or silu).
 
-    Returns the attention output `[batch, seq, heads*head_dim]`, the caches, `max(past, window - min(starts))` long,
-    the past's slots kept and the rest zero but for the new entries, and the key's and value's shift states after
-    the step (`[batch, 0]` without a shift)."""
+    Returns the attention output `[batch, seq, heads*head_dim]`, the caches, `max(past, window - min(window_starts))`
+    long, the past's slots kept and the rest zero but for the new entries, and the key's and value's shift states
+    after the step (`[batch, 0]` without a shift)."""
     batch, seq, _ = query.shape
-    head_dim, past, window = key_cache.shape[-1], key_cache.shape[2], attention_mask.shape[-1]
-    begins = [0] * kv_heads if starts is None else starts.tolist()
+    head_dim, past, window = past_key.shape[-1], past_key.shape[2], attention_mask.shape[-1]
+    begins = [0] * kv_heads if window_starts is None else window_starts.tolist()
     length = max(past, window - min(begins))
     group = heads // kv_heads
     real = attention_mask.expand(batch, window) != 0
-    key, key_state = _shifted(key, key_shift_logits, key_shift, real[:, cache_position], kv_heads)
-    value, value_state = _shifted(value, value_shift_logits, value_shift, real[:, cache_position], kv_heads)
+    key, key_state = _shifted(key, key_shift_logits, past_key_shift, real[:, cache_position], kv_heads)
+    value, value_state = _shifted(value, value_shift_logits, past_value_shift, real[:, cache_position], kv_heads)
     query = _normalized(query, query_norm, head_dim, qk_norm_epsilon)
     key = _normalized(key, key_norm, head_dim, qk_norm_epsilon)
     logits = gate_logits.float() + (0.0 if gate_bias is None else gate_bias.float())
     log_gates = torch.where(real[:, cache_position, None], -F.softplus(-logits), 0.0).transpose(1, 2)
     caches = []
-    for cache in (key_cache, value_cache, gate_cache):
+    for cache in (past_key, past_value, past_gate):
         grown = cache.new_zeros(*cache.shape[:2], length, *cache.shape[3:])
         grown[:, :, : min(past, length)] = cache[:, :, :length]
         caches.append(grown)
@@ -121,18 +124,19 @@ def _normalized(x: torch.Tensor, weight: torch.Tensor | None, head_dim: int, eps
 
 
 @fox_attention.register_fake
-def _(query, key, value, gate_logits, gate_bias, key_cache, value_cache, gate_cache, attention_mask, cache_position,
-      starts, key_shift_logits, key_shift, value_shift_logits, value_shift, query_norm, key_norm, output_norm,
-      output_gate_logits, heads, kv_heads, qk_norm_epsilon, output_norm_epsilon, output_gate_activation):  # fmt: skip
-    batch, kv_heads_, past, head_dim = key_cache.shape
+def _(query, key, value, gate_logits, gate_bias, past_key, past_value, past_gate, attention_mask, cache_position,
+      window_starts, key_shift_logits, past_key_shift, value_shift_logits, past_value_shift, query_norm, key_norm,
+      output_norm, output_gate_logits, heads, kv_heads, qk_norm_epsilon, output_norm_epsilon,
+      output_gate_activation):  # fmt: skip
+    batch, kv_heads_, past, head_dim = past_key.shape
     window = attention_mask.shape[-1]
     # A static buffer's length is a number no window exceeds; a dynamic past's is symbolic, and the window may be longer
     length = past if isinstance(past, int) else torch.sym_max(past, window)
     return (
         torch.empty_like(query),
-        key_cache.new_empty(batch, kv_heads_, length, head_dim),
-        value_cache.new_empty(batch, kv_heads_, length, head_dim),
-        gate_cache.new_empty(batch, gate_cache.shape[1], length),
+        past_key.new_empty(batch, kv_heads_, length, head_dim),
+        past_value.new_empty(batch, kv_heads_, length, head_dim),
+        past_gate.new_empty(batch, past_gate.shape[1], length),
         key.new_empty(batch, 0 if key_shift_logits is None else key.shape[-1]),
         value.new_empty(batch, 0 if value_shift_logits is None else value.shape[-1]),
     )
