@@ -35,8 +35,8 @@ from exporters.references import eager_generate
 from exporters.validate import greedy_disagreement
 from kvg_export.presets import load_model
 from runtime.artifact import SessionOptions, read_manifest
-from runtime.device_cache import DeviceCache
-from runtime.generator import GenerationConfig, Generator
+from runtime.cache.device_cache import DeviceCache
+from runtime.decode.generator import GenerationConfig, Generator
 
 PARITY_PROMPTS, PARITY_TOKENS = (5, 11, 8), 32
 PROMPT, NEW_TOKENS, ROUNDS = 128, 128, 3

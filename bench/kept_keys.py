@@ -2,7 +2,7 @@
 
 Eager PyTorch reads `--tokens` tokens of held-out text (the stdlib corpus's test split, longest documents first)
 and records every layer's log forget gates. At each position t a head needs key j while the decay c_t - c_j is at
-least log_pruning_tolerance - 2U - log L (runtime/pruning.py), with U the head's score bound from the weights
+least log_pruning_tolerance - 2U - log L (runtime/cache/pruning.py), with U the head's score bound from the weights
 (kvg_export/fox/pruning.py) and L the text's length; the decay falls with j, so what a head needs is its last
 keys, and a layer's window is its neediest head's (what the runtime's cache keeps of that layer). Writes
 kept_keys.json and kept_keys.png under --out, and, when --out is the default, the table in bench/README.md.
@@ -25,7 +25,7 @@ from tokenizers import Tokenizer
 from kvg_export.corpus import read_split, token_stream
 from kvg_export.fox.pruning import score_bounds
 from kvg_export.presets import load_model, resolve_checkpoint
-from runtime.pruning import Pruning, needed_slots
+from runtime.cache.pruning import Pruning, needed_slots
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -52,7 +52,7 @@ def log_gates(model, ids: np.ndarray) -> list[np.ndarray]:
 
 def kept_keys(gates: np.ndarray, thresholds: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """`[heads, len(positions)]`: how many of its last keys each head needs at each position, as the runtime
-    counts them (runtime.pruning's needed_slots over the text up to that position, one row)."""
+    counts them (runtime.cache.pruning's needed_slots over the text up to that position, one row)."""
     return np.stack([needed_slots([gates[None, :, : t + 1]], thresholds[None])[0] for t in positions], axis=-1)
 
 

@@ -32,7 +32,7 @@ from tokenizers import Tokenizer
 from kvg_export.corpus import read_split, token_stream
 from kvg_export.presets import preset_folder
 from runtime.artifact import read_manifest
-from runtime.pruning import parse_tolerance
+from runtime.cache.pruning import parse_tolerance
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt

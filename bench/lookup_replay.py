@@ -28,8 +28,8 @@ from speculative import LOOKUP, MODULES, PRESETS, held_out_prompt
 
 from exporters.export import AS_CONFIG
 from runtime.artifact import SessionOptions
-from runtime.generator import GenerationConfig, Generator
-from runtime.search import adapted_budget
+from runtime.decode.generator import GenerationConfig, Generator
+from runtime.decode.search import adapted_budget
 
 BEGIN, END = "<!-- lookup-replay:begin -->", "<!-- lookup-replay:end -->"
 

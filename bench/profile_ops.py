@@ -32,7 +32,7 @@ from run import HERE, RESULTS, artifact, machine, precision
 from worker import prompts
 
 from runtime.artifact import SessionOptions
-from runtime.generator import GenerationConfig, Generator
+from runtime.decode.generator import GenerationConfig, Generator
 
 BEGIN, END = "<!-- profile:begin -->", "<!-- profile:end -->"
 TOP_OPS = 14  # op types listed one by one; the rest are summed as "other"

@@ -29,8 +29,8 @@ from run import add_attention_option, artifact, machine, settle, spread
 from sse_client import Connection
 
 from runtime.artifact import SessionOptions
-from runtime.generator import GenerationConfig, Generator
-from runtime.serve_process import kvg_serve
+from runtime.decode.generator import GenerationConfig, Generator
+from runtime.serving.serve_process import kvg_serve
 
 BEGIN, END = "<!-- serve:begin -->", "<!-- serve:end -->"
 STATIC_LENGTH = 512  # room for a 128-token prompt and 128 new tokens, with rows at different offsets

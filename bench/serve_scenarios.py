@@ -30,7 +30,7 @@ from run import add_attention_option, artifact, artifact_vocab, machine, settle
 from serve_load import server_flags
 from sse_client import Connection
 
-from runtime.serve_process import kvg_serve
+from runtime.serving.serve_process import kvg_serve
 
 BEGIN, END = "<!-- serve-scenarios:begin -->", "<!-- serve-scenarios:end -->"
 LENGTH = 4608  # slots: a 4,096-token prompt among 8 streams of 128 + 192 tokens

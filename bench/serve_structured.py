@@ -21,7 +21,7 @@ from run import add_attention_option, artifact, artifact_vocab, machine, settle
 from serve_load import server_flags
 from sse_client import Connection
 
-from runtime.serve_process import kvg_serve
+from runtime.serving.serve_process import kvg_serve
 
 BEGIN, END = "<!-- serve-structured:begin -->", "<!-- serve-structured:end -->"
 LENGTH = 1024

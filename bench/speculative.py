@@ -40,9 +40,9 @@ from serve_load import concurrent, server_flags
 
 from exporters.export import AS_CONFIG
 from runtime.artifact import SessionOptions
-from runtime.generator import GenerationConfig, Generator
-from runtime.prompt_lookup import PromptLookup
-from runtime.serve_process import kvg_serve
+from runtime.decode.generator import GenerationConfig, Generator
+from runtime.serving.serve_process import kvg_serve
+from runtime.speculative.prompt_lookup import PromptLookup
 
 BEGIN, END = "<!-- speculative:begin -->", "<!-- speculative:end -->"
 PRESETS = ("fox-py", "fox-pro-py")

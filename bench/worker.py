@@ -129,7 +129,7 @@ def genai_runner(folder: str, threads: int):
 
 def runtime_runner(artifact: str, threads: int):
     from runtime.artifact import SessionOptions
-    from runtime.generator import GenerationConfig, Generator
+    from runtime.decode.generator import GenerationConfig, Generator
 
     generator = Generator.open(artifact, SessionOptions(provider="cpu", intra_op_threads=threads))
 

@@ -18,8 +18,8 @@ import numpy as np
 from exporters.validate import DECODE_STEPS, PROMPT_LENGTH, TOLERANCES, validation_prompt
 from runtime import contract as io
 from runtime.artifact import SessionOptions
-from runtime.buffers import HOST_TYPES
-from runtime.generator import GenerationConfig, Generator
+from runtime.cache.buffers import HOST_TYPES
+from runtime.decode.generator import GenerationConfig, Generator
 
 
 @dataclass

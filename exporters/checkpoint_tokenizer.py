@@ -1,5 +1,5 @@
 """What an artifact carries of its checkpoint's tokenizer: a `tokenizer.json` the runtime loads without transformers,
-and the manifest's `text` rules around it (runtime/tokenizer.py), read from tokenizer_config.json before anything
+and the manifest's `text` rules around it (runtime/text/tokenizer.py), read from tokenizer_config.json before anything
 is traced.
 
 A checkpoint holds a fast tokenizer's `tokenizer.json`, or a slow GPT-2 tokenizer's `vocab.json` and `merges.txt`
@@ -16,12 +16,12 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from runtime.tokenizer import JSON_ESCAPE, TextRules, TextTokenizer
+from runtime.text.tokenizer import JSON_ESCAPE, TextRules, TextTokenizer
 
 CONFIG_NAME = "tokenizer_config.json"
 FAST_FILE = "tokenizer.json"
 SLOW_FILES = ("vocab.json", "merges.txt")
-# tokenizer_class: how its text is escaped (runtime/tokenizer.py); its files are SLOW_FILES or FAST_FILE, the
+# tokenizer_class: how its text is escaped (runtime/text/tokenizer.py); its files are SLOW_FILES or FAST_FILE, the
 # ones its kind reads first where a checkpoint holds both
 KNOWN_CLASSES = {
     "PreTrainedTokenizerFast": None,

@@ -10,8 +10,8 @@ from exporters import export, quantization
 from exporters.evaluate import Thresholds
 from exporters.export import ExportError, ExportOptions, QualityOptions, export_artifact
 from exporters.quantization import Quantization, QuantizationError
+from runtime.cache.pruning import parse_tolerance
 from runtime.contract import DEFAULT_OPSET
-from runtime.pruning import parse_tolerance
 
 QUANTIZATION_FLAGS = ("block_size", "quant_method", "accuracy_level", "keep_float", "symmetric")
 

@@ -9,7 +9,7 @@ that the first N windows span many files (the export's quality check scores 64).
 come longest first (ties in path order), so that the first windows hold one long file each and a late
 position has that many tokens of its own file before it, not a run of unrelated files: under Python 3.11
 the test split's 181k tokens give 22 windows of 8,192, the first three in its longest file (25k tokens).
-Both systems score the same windows with the same arithmetic (runtime.scoring), so their figures compare
+Both systems score the same windows with the same arithmetic (runtime.decode.scoring), so their figures compare
 position by position; bands of window positions and log-spaced position bins (the curve `--plot` draws)
 show how quality holds over the context.
 
@@ -36,8 +36,8 @@ from kvg_export.corpus import Document, describe, read_split, split_digest, toke
 from kvg_export.folders import write_whole
 from kvg_export.presets import load_model, resolve_checkpoint
 from runtime.artifact import ArtifactError, SessionOptions
-from runtime.generator import Generator
-from runtime.scoring import POSITIONS_PER_BLOCK, Scores, score_windows
+from runtime.decode.generator import Generator
+from runtime.decode.scoring import POSITIONS_PER_BLOCK, Scores, score_windows
 
 DEFAULT_CONTEXT = 512
 EAGER_BATCH_TOKENS = 16 * DEFAULT_CONTEXT  # tokens per eager forward: 16 windows of 512, 1 of 8,192

@@ -34,8 +34,8 @@ from exporters.validate import MIN_STATIC_LENGTH, References, ValidationReport, 
 from kvg_export.fla_format import is_fla, official_config
 from kvg_export.folders import publish, staging_folder
 from kvg_export.presets import resolve_checkpoint
+from runtime.cache.pruning import check_tolerance
 from runtime.contract import DEFAULT_OPSET, DYNAMIC_MAX_POSITIONS, MANIFEST_NAME, held_in_place
-from runtime.pruning import check_tolerance
 
 AS_CONFIG = "config"  # --log-pruning-tolerance's default: the checkpoint config's log_pruning_tolerance
 DTYPES = ("fp32", "fp16", "bf16")

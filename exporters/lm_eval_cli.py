@@ -16,9 +16,9 @@ from pathlib import Path
 
 import kvg_export  # noqa: F401  (registers FoX's model and tokenizer classes with transformers' Auto classes)
 from runtime.artifact import ArtifactError, read_manifest
-from runtime.engine import check_servable
-from runtime.serve_process import kvg_serve
-from runtime.tokenizer import TextRules
+from runtime.decode.engine import check_servable
+from runtime.serving.serve_process import kvg_serve
+from runtime.text.tokenizer import TextRules
 
 TASKS_DIR = Path(__file__).resolve().parent / "lm_eval_tasks"
 

@@ -28,8 +28,8 @@ from exporters.stages import stage
 from exporters.validate import DECODE_STEPS
 from kvg_export.fox.pruning import bound_kind, score_bounds
 from kvg_export.presets import load_model
+from runtime.cache.pruning import check_tolerance
 from runtime.contract import cache_layout, held_in_place
-from runtime.pruning import check_tolerance
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 

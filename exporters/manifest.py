@@ -15,7 +15,7 @@ import onnx
 
 from runtime import contract as io
 from runtime.contract import CacheLayout
-from runtime.tokenizer import TextRules
+from runtime.text.tokenizer import TextRules
 
 ONNX_DTYPES = {"float32": onnx.TensorProto.FLOAT, "float16": onnx.TensorProto.FLOAT16,
                "bfloat16": onnx.TensorProto.BFLOAT16, "int64": onnx.TensorProto.INT64}  # fmt: skip
@@ -83,7 +83,7 @@ def build_manifest(
     `attention`: "standard" (ONNX MatMul and Softmax, any provider), "fused" (the fused FoX operator, CPU, whose
     library the artifact carries: `custom_ops`, exporters/native_library.py's manifest_entry), "gqa" (onnxruntime's
     GroupQueryAttention, which cannot take a chunk of a prompt after the first for batch > 1) or "onnx-attention".
-    `text`: how the tokenizer's text is escaped and what comes first (runtime/tokenizer.py's TextRules);
+    `text`: how the tokenizer's text is escaped and what comes first (runtime/text/tokenizer.py's TextRules);
     `tokenizer_special_ids`: the special tokens the tokenizer names, which stand in for those the model's config
     leaves out; `pruning`: the tolerance and score bounds the runtime prunes with (exporters/lowering.py), None
     for a cache it cannot prune."""

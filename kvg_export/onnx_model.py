@@ -26,7 +26,7 @@ from kvg_export.fox.configuration import FoxConfig
 from kvg_export.fox.modeling import PREFILL_CHUNK
 from runtime import contract as io
 from runtime.artifact import Artifact, SessionOptions
-from runtime.buffers import element_type
+from runtime.cache.buffers import element_type
 
 ATTRIBUTES = {"key": "keys", "value": "values", "gate": "gates", "key_shift": "key_shift",
               "value_shift": "value_shift"}  # fmt: skip

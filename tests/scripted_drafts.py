@@ -1,5 +1,6 @@
 """A guesser for speculative decoding tests: it knows the tokens plain decoding chose, and drafts each right or
-wrong as a test says, so a test decides what is accepted where (runtime/prompt_lookup.py's is what users run)."""
+wrong as a test says, so a test decides what is accepted where (runtime/speculative/prompt_lookup.py's is what
+users run)."""
 
 from __future__ import annotations
 

@@ -10,8 +10,8 @@ import pytest
 from conftest import CPU_FP32_ATTENTION
 
 from runtime.artifact import SessionOptions
-from runtime.device_cache import DeviceCache
-from runtime.generator import GenerationConfig, Generator
+from runtime.cache.device_cache import DeviceCache
+from runtime.decode.generator import GenerationConfig, Generator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from gate_cost import without_forget_gates

@@ -9,7 +9,7 @@ import onnxruntime as ort
 import torch
 from onnx import TensorProto, helper
 
-from runtime import buffers
+from runtime.cache import buffers
 
 
 def cast_to_float(shape):
@@ -85,7 +85,7 @@ def test_moving_slots_equals_copying_them_out_first_overlapping_or_not():
 
 RESIDENCE_PROBE = """
 import os
-from runtime import buffers
+from runtime.cache import buffers
 
 def resident_bytes():
     with open("/proc/self/statm") as statm:

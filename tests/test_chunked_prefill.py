@@ -14,11 +14,11 @@ import kvg_export.onnx_model as onnx_model
 from kvg_export import DynamicCache, StaticCache
 from kvg_export.onnx_model import OnnxFoxForCausalLM
 from kvg_export.presets import load_model
-from runtime import buffers
 from runtime.artifact import SessionOptions
-from runtime.device_cache import DeviceCache
-from runtime.generator import GenerationConfig, Generator
-from runtime.prefill import PREFILL_WORKING_SET, chunk_size
+from runtime.cache import buffers
+from runtime.cache.device_cache import DeviceCache
+from runtime.decode.generator import GenerationConfig, Generator
+from runtime.decode.prefill import PREFILL_WORKING_SET, chunk_size
 
 CPU = SessionOptions(provider="cpu")
 # Left-padded into a batch of width 11: chunks of 4 split it in three, and the short row's first chunk is all padding

@@ -13,11 +13,11 @@ import pytest
 from test_engine import served
 
 from runtime.artifact import SessionOptions
-from runtime.constraints import Constraint, ConstraintError
-from runtime.engine import Engine
-from runtime.generator import GenerationConfig, Generator
-from runtime.prompt_lookup import PromptLookup
-from runtime.sampling import SamplingConfig
+from runtime.decode.engine import Engine
+from runtime.decode.generator import GenerationConfig, Generator
+from runtime.decode.sampling import SamplingConfig
+from runtime.speculative.prompt_lookup import PromptLookup
+from runtime.structured.constraints import Constraint, ConstraintError
 
 CPU = SessionOptions(provider="cpu")
 SCHEMA = {
@@ -130,7 +130,7 @@ def test_kvg_generate_answers_under_a_schema_and_refuses_a_bad_one(exported, tmp
     artifact = str(exported("fox-py", "dynamic")[0].path)
     schema = tmp_path / "schema.json"
     schema.write_text(json.dumps(SCHEMA))
-    command = [sys.executable, "-m", "runtime.cli", artifact, "--prompt", "x = ", "--max-new-tokens", "96"]
+    command = [sys.executable, "-m", "runtime.cli.generate", artifact, "--prompt", "x = ", "--max-new-tokens", "96"]
     done = subprocess.run([*command, "--json-schema", str(schema)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     jsonschema.validate(json.loads(done.stdout), SCHEMA)

@@ -1,4 +1,4 @@
-"""runtime/decode_step.py: the step the Generator and the engine share, over either cache, its two bindings
+"""runtime/decode/step.py: the step the Generator and the engine share, over either cache, its two bindings
 alternating and rebound when the row count changes, against plain `session.run` with the cache fed back by hand
 (the contract's own definition of a step): the same session on the same inputs, so the same numbers, exactly."""
 
@@ -7,10 +7,10 @@ import pytest
 
 from runtime import contract as io
 from runtime.artifact import Artifact, SessionOptions
-from runtime.buffers import HOST_TYPES, to_host
-from runtime.decode_step import DecodeStep
-from runtime.device_cache import DeviceCache
-from runtime.row_cache import RowCache
+from runtime.cache.buffers import HOST_TYPES, to_host
+from runtime.cache.device_cache import DeviceCache
+from runtime.cache.row_cache import RowCache
+from runtime.decode.step import DecodeStep
 
 PRESET = "fox-pro-tiny"  # token-shift states: the tensors that trade buffers between the two bindings
 ROWS = [1, 2, 2, 3, 3, 2, 2]  # rows [0, n) stepped at each clock: requests join the engine's rows and leave

@@ -1,4 +1,4 @@
-"""runtime/device_cache.py: the Generator's cache. Its window mask keeps every token's RoPE position once pruning
+"""runtime/cache/device_cache.py: the Generator's cache. Its window mask keeps every token's RoPE position once pruning
 has moved the window past dropped positions, and its buffers grow keeping what they hold; each against a
 computation by hand (the running sum of the whole mask, numpy copies of the buffers)."""
 
@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from runtime.artifact import Artifact, SessionOptions
-from runtime.buffers import from_host, to_host
-from runtime.device_cache import DeviceCache
+from runtime.cache.buffers import from_host, to_host
+from runtime.cache.device_cache import DeviceCache
+from runtime.decode.prefill import chunking
 from runtime.errors import RequestError
-from runtime.prefill import chunking
 
 
 @pytest.fixture(scope="module")

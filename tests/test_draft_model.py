@@ -17,12 +17,12 @@ from test_speculative import CPU, KINDS, NEW, prompts
 
 from exporters.export import ExportOptions
 from kvg_export.presets import load_model
-from runtime import cli
-from runtime.draft_model import DraftModel
+from runtime.cli.generate import generate as cli
+from runtime.decode.generator import GenerationConfig, Generator
+from runtime.decode.model import Model
+from runtime.decode.sampling import Sampler, SamplingConfig, filtered_logits
 from runtime.errors import RequestError
-from runtime.generator import GenerationConfig, Generator
-from runtime.model import Model
-from runtime.sampling import Sampler, SamplingConfig, filtered_logits
+from runtime.speculative.draft_model import DraftModel
 
 PRESETS = Path(__file__).resolve().parents[1] / "models"
 SIGNIFICANCE = 1e-4  # a right distribution fails one run in 10,000

@@ -10,13 +10,13 @@ import pytest
 
 from runtime import engine as engine_module
 from runtime.artifact import SessionOptions
-from runtime.engine import Engine, Failed, Finished, QueueFull, Token
+from runtime.cache.row_cache import RowCache
+from runtime.decode.engine import Engine, Failed, Finished, QueueFull, Token
+from runtime.decode.generator import GenerationConfig, Generator
+from runtime.decode.model import Model
+from runtime.decode.prefill import bind_chunk
+from runtime.decode.sampling import SamplingConfig
 from runtime.errors import ArtifactError, RequestError
-from runtime.generator import GenerationConfig, Generator
-from runtime.model import Model
-from runtime.prefill import bind_chunk
-from runtime.row_cache import RowCache
-from runtime.sampling import SamplingConfig
 
 CPU = SessionOptions(provider="cpu")
 

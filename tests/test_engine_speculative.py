@@ -13,13 +13,13 @@ from scripted_drafts import Scripted
 from test_engine import CPU, Collector, schedule, served, watch_compactions
 from test_serve import metric, run_cli, serving
 
-from runtime.draft_model import DraftModel
-from runtime.engine import Engine
+from runtime.decode.engine import Engine
+from runtime.decode.generator import GenerationConfig, Generator
+from runtime.decode.model import Model
+from runtime.decode.sampling import SamplingConfig
 from runtime.errors import RequestError
-from runtime.generator import GenerationConfig, Generator
-from runtime.model import Model
-from runtime.prompt_lookup import PromptLookup
-from runtime.sampling import SamplingConfig
+from runtime.speculative.draft_model import DraftModel
+from runtime.speculative.prompt_lookup import PromptLookup
 
 # (preset, attention): shift states or none, through the fused operator and the portable graph
 KINDS = [("fox-pro-tiny", "auto"), ("fox-pro-tiny", "standard"), ("fox-tiny", "auto")]

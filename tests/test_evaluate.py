@@ -23,7 +23,7 @@ from exporters.evaluate import (
 from kvg_export.corpus import read_split, token_stream, windows
 from kvg_export.presets import MODELS_DIR, load_model
 from kvg_export.training.loop import mean_loss
-from runtime.scoring import Scores, next_token_scores
+from runtime.decode.scoring import Scores, next_token_scores
 
 WINDOWS = 6  # of the test split: enough positions to see a disagreement, few enough to be quick
 

@@ -19,7 +19,7 @@ from exporters.export import ExportOptions, export_artifact
 from kvg_export import FoxConfig, FoxForCausalLM
 from kvg_export.presets import load_model
 from runtime.artifact import SessionOptions
-from runtime.generator import GenerationConfig, Generator
+from runtime.decode.generator import GenerationConfig, Generator
 
 OFFICIAL = dict(
     vocab_size=64, hidden_size=32, num_hidden_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48,

@@ -13,9 +13,10 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_importing_every_runtime_module_loads_no_torch():
     probe = (
         "import importlib, pkgutil, sys, runtime\n"
-        "names = [module.name for module in pkgutil.iter_modules(runtime.__path__)]\n"
-        "assert {'generator', 'engine', 'server', 'ray_app'} <= set(names), names\n"
-        "for name in names: importlib.import_module('runtime.' + name)\n"
+        "names = [module.name for module in pkgutil.walk_packages(runtime.__path__, 'runtime.')]\n"
+        "assert {'runtime.decode.generator', 'runtime.decode.engine', 'runtime.serving.server',\n"
+        "        'runtime.serving.ray_app'} <= set(names), names\n"
+        "for name in names: importlib.import_module(name)\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))"
     )
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
@@ -40,6 +41,29 @@ def test_runtime_modules_import_neither_the_exporter_nor_the_model():
         if name.split(".")[0] in ("exporters", "kvg_export", "torch", "transformers")
     }
     assert imported == set()
+
+
+# The rooms of runtime/, each above those before it: a module imports runtime modules of its own room and of the
+# rooms before it only ("" holds the modules every room stands on: the contract, the errors, the artifact)
+RUNTIME_ROOMS = ("", "text", "structured", "cache", "decode", "speculative", "serving", "cli")
+
+
+def _room(module: str) -> str:
+    """The room of a dotted runtime module, or of what a module imports: "" for the top."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in RUNTIME_ROOMS else ""
+
+
+def test_runtime_rooms_import_only_the_rooms_below_them():
+    upward = []
+    for path, tree in _modules("runtime").items():
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        assert len(parts) <= 2 or parts[1] in RUNTIME_ROOMS, f"{path.relative_to(ROOT)} is in no room of RUNTIME_ROOMS"
+        own = _room(".".join(parts))
+        for name in _imported(tree):
+            if name.split(".")[0] == "runtime" and RUNTIME_ROOMS.index(_room(name)) > RUNTIME_ROOMS.index(own):
+                upward.append(f"{path.relative_to(ROOT)} ({own or 'top'}) imports {name}")
+    assert upward == []
 
 
 def test_the_contracts_names_are_spelled_only_in_the_contract_module():

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 from exporters.lm_eval_cli import eager_model, evaluate, serve_flags, server_model, tokenizer_folder
 from kvg_export.presets import MODELS_DIR
 from runtime.artifact import read_manifest
-from runtime.serve_process import kvg_serve
+from runtime.serving.serve_process import kvg_serve
 
 MODEL = "fox-py"
 TASKS = ["kvg_stdlib"]

@@ -17,7 +17,7 @@ from kvg_export import DynamicCache
 from kvg_export.cache_layers import DynamicLayer
 from kvg_export.presets import load_model
 from runtime.artifact import SessionOptions, session_options
-from runtime.generator import GenerationConfig, Generator
+from runtime.decode.generator import GenerationConfig, Generator
 
 CPU = SessionOptions(provider="cpu")
 SLOTS, PROMPT = 8256, 8200  # the prompt fills 33 chunks of 256

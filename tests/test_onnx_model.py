@@ -17,7 +17,7 @@ from kvg_export.cache import GatedCache
 from kvg_export.onnx_model import REFEED_ALONE, OnnxFoxForCausalLM
 from kvg_export.presets import load_model
 from runtime.artifact import SessionOptions
-from runtime.generator import GenerationConfig, Generator
+from runtime.decode.generator import GenerationConfig, Generator
 
 PRESETS = ("fox-tiny", "fox-pro-tiny", "fox-gqa-tiny", "fox-small", "fox-py", "fox-pro-py")
 NEW_TOKENS = 12

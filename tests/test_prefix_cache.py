@@ -9,10 +9,10 @@ import pytest
 from test_serve import metric, serving
 
 from runtime.artifact import SessionOptions
-from runtime.engine import Engine, Finished, Token
-from runtime.generator import GenerationConfig, Generator
-from runtime.prefix_cache import Block, PrefixCache
-from runtime.sampling import SamplingConfig
+from runtime.cache.prefix_cache import Block, PrefixCache
+from runtime.decode.engine import Engine, Finished, Token
+from runtime.decode.generator import GenerationConfig, Generator
+from runtime.decode.sampling import SamplingConfig
 
 CPU = SessionOptions(provider="cpu")
 SHARED = [3 + (11 * i) % 300 for i in range(27)]

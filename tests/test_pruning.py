@@ -17,12 +17,12 @@ from kvg_export.corpus import read_split, token_stream
 from kvg_export.fox.pruning import score_bounds
 from kvg_export.presets import load_model
 from runtime.artifact import SessionOptions
-from runtime.draft_model import DraftModel
-from runtime.engine import Engine, Failed, Finished, Token
+from runtime.cache.pruning import PruningError, droppable
+from runtime.decode.engine import Engine, Failed, Finished, Token
+from runtime.decode.generator import GenerationConfig, Generator
+from runtime.decode.model import Model
 from runtime.errors import RequestError
-from runtime.generator import GenerationConfig, Generator
-from runtime.model import Model
-from runtime.pruning import PruningError, droppable
+from runtime.speculative.draft_model import DraftModel
 
 CPU = SessionOptions(provider="cpu")
 TOLERANCE = -10.0

@@ -14,7 +14,7 @@ from exporters.cache_check import check_cache
 from exporters.quantization import Quantization
 from runtime import cli as generate_cli
 from runtime.artifact import SessionOptions
-from runtime.generator import GenerationConfig, Generator
+from runtime.decode.generator import GenerationConfig, Generator
 
 QUALITY_WINDOWS = "8"  # of the test split: about 4k predicted tokens, enough to judge int4 against 90%
 

@@ -16,9 +16,9 @@ from ray import serve
 from test_serve_shutdown import LONG, MEDIUM, SHORT, ended_after, kvg_serve, streamed, wait_for_draining
 
 from runtime.artifact import SessionOptions
+from runtime.decode.generator import GenerationConfig, Generator
 from runtime.errors import ArtifactError
-from runtime.generator import GenerationConfig, Generator
-from runtime.ray_app import DEPLOYMENT, app_builder
+from runtime.serving.ray_app import DEPLOYMENT, app_builder
 
 MODEL = "fox-tiny"
 # Beyond a grace period that ran out: Serve's deletion of the drained app and the local cluster's shutdown (about 3 s

@@ -29,12 +29,12 @@ from kvg_export import FoxConfig, FoxForCausalLM
 from kvg_export.corpus import read_split
 from kvg_export.onnx_model import OnnxFoxForCausalLM
 from kvg_export.presets import load_model
-from runtime.constraints import Constraint
-from runtime.generator import GenerationConfig, Generator
-from runtime.prompt_lookup import PromptLookup
-from runtime.sampling import SamplingConfig
-from runtime.text_stream import TextStream
-from runtime.tokenizer import TextTokenizer
+from runtime.decode.generator import GenerationConfig, Generator
+from runtime.decode.sampling import SamplingConfig
+from runtime.speculative.prompt_lookup import PromptLookup
+from runtime.structured.constraints import Constraint
+from runtime.text.text_stream import TextStream
+from runtime.text.tokenizer import TextTokenizer
 
 END = "<|endoftext|>"
 PROMPTS = [

@@ -1,4 +1,4 @@
-"""runtime/row_cache.py: a static artifact's cache as rows on one slot clock. Rows that join, prefill in chunks
+"""runtime/cache/row_cache.py: a static artifact's cache as rows on one slot clock. Rows that join, prefill in chunks
 between decode steps, sit on an earlier request's leftovers and move get eager PyTorch's logits alone; blocks
 written into a row read back as written."""
 
@@ -8,10 +8,10 @@ import torch
 
 from kvg_export import DynamicCache
 from kvg_export.presets import load_model
-from runtime import buffers
 from runtime.artifact import Artifact, SessionOptions
-from runtime.prefix_cache import Block
-from runtime.row_cache import RowCache
+from runtime.cache import buffers
+from runtime.cache.prefix_cache import Block
+from runtime.cache.row_cache import RowCache
 
 CPU = SessionOptions(provider="cpu")
 PAD = 0

@@ -12,15 +12,15 @@ import pytest
 import torch
 from conftest import CPU_FP32_ATTENTION
 
-import runtime.generator as generator_module
+import runtime.decode.generator as generator_module
 from exporters.validate import TOLERANCES
 from kvg_export.presets import load_model
 from runtime.artifact import SessionOptions
-from runtime.cli import main
-from runtime.device_cache import DeviceCache
+from runtime.cache.device_cache import DeviceCache
+from runtime.cli.generate import main
+from runtime.decode.generator import GenerationConfig, Generator
+from runtime.decode.sampling import SamplingConfig
 from runtime.errors import ArtifactError, RequestError
-from runtime.generator import GenerationConfig, Generator
-from runtime.sampling import SamplingConfig
 
 CPU = SessionOptions(provider="cpu")
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [15, 16, 17, 18, 19]]
@@ -227,7 +227,7 @@ def test_running_the_runtime_loads_no_torch(dynamic_artifact):
     probe = (
         "import sys\n"
         "from runtime.artifact import SessionOptions\n"
-        "from runtime.generator import GenerationConfig, Generator\n"
+        "from runtime.decode.generator import GenerationConfig, Generator\n"
         f"g = Generator.open({str(dynamic_artifact)!r}, SessionOptions('cpu'))\n"
         "assert len(g.generate('hello', GenerationConfig(max_new_tokens=4)).tokens[0]) == 4\n"
         "heavy = ('torch', 'transformers', 'kvg_export', 'exporters')\n"

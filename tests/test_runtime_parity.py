@@ -13,8 +13,8 @@ from exporters.references import eager_generate
 from exporters.validate import TOLERANCES, greedy_disagreement
 from kvg_export.presets import load_model
 from runtime.artifact import SessionOptions
-from runtime.device_cache import RESERVED_NEW_TOKENS, DeviceCache
-from runtime.generator import GenerationConfig, Generator
+from runtime.cache.device_cache import RESERVED_NEW_TOKENS, DeviceCache
+from runtime.decode.generator import GenerationConfig, Generator
 
 PRESETS = ("fox-tiny", "fox-pro-tiny", "fox-gqa-tiny", "fox-small", "fox-py", "fox-pro-py")
 NEW_TOKENS = 32

@@ -1,4 +1,4 @@
-"""runtime.sampling against transformers' logits processors (run with torch), the independent reference."""
+"""runtime.decode.sampling against transformers' logits processors (run with torch), the independent reference."""
 
 import numpy as np
 import pytest
@@ -11,7 +11,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from runtime.sampling import Sampler, SamplingConfig, filtered_logits
+from runtime.decode.sampling import Sampler, SamplingConfig, filtered_logits
 
 
 def reference_logits(

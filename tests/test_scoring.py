@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from runtime.scoring import next_token_scores, score_windows
+from runtime.decode.scoring import next_token_scores, score_windows
 
 
 def test_next_token_scores_on_a_tiny_text_match_hand_computed_values():

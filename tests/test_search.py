@@ -3,8 +3,8 @@ built by hand so that each expected token follows from the arithmetic in the tes
 
 import numpy as np
 
-from runtime.sampling import SamplingConfig
-from runtime.search import GenerationConfig, Search
+from runtime.decode.sampling import SamplingConfig
+from runtime.decode.search import GenerationConfig, Search
 
 EOS, PAD = 3, 0
 

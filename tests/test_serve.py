@@ -16,13 +16,13 @@ import openai
 import pytest
 import uvicorn
 
-from runtime.answers import ApiError, Choice, Decoded, ServerState
 from runtime.artifact import SessionOptions
-from runtime.engine import Engine, Failed, Finished, Token
-from runtime.generator import GenerationConfig, Generator
-from runtime.logprobs import TokenLogprob
-from runtime.sampling import SamplingConfig
-from runtime.server import create_app
+from runtime.decode.engine import Engine, Failed, Finished, Token
+from runtime.decode.generator import GenerationConfig, Generator
+from runtime.decode.logprobs import TokenLogprob
+from runtime.decode.sampling import SamplingConfig
+from runtime.serving.answers import ApiError, Choice, Decoded, ServerState
+from runtime.serving.server import create_app
 
 CPU = SessionOptions(provider="cpu")
 MODEL = "fox-tiny"
@@ -360,7 +360,7 @@ def test_health_models_and_metrics_describe_the_server(server):
 
 
 def run_cli(*args: str, **kwargs) -> subprocess.Popen:
-    command = [sys.executable, "-m", "runtime.serve_cli", *args]
+    command = [sys.executable, "-m", "runtime.cli.serve", *args]
     return subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": "."}, **kwargs)
 
 

@@ -8,8 +8,8 @@ import httpx
 import pytest
 from test_serve import CPU, MODEL, client, serving
 
-from runtime.engine import Engine
-from runtime.generator import Generator
+from runtime.decode.engine import Engine
+from runtime.decode.generator import Generator
 
 BOS = "<|bos|>"  # fox-tiny's tokenizer has it as a special token, id 1
 TEMPLATE = (

@@ -13,11 +13,11 @@ import pytest
 from starlette.testclient import TestClient
 from test_serve import CPU, MODEL, client, serving
 
-from runtime import serve_cli
-from runtime.drain import DrainingServer
+from runtime.cli.generate import serve as serve_cli
+from runtime.decode.generator import Generator
 from runtime.errors import RequestError
-from runtime.generator import Generator
-from runtime.server import ServeOptions
+from runtime.serving.drain import DrainingServer
+from runtime.serving.server import ServeOptions
 
 KEY = "sk-kvg-test"
 SMALL = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}

@@ -7,7 +7,7 @@ import torch
 from test_serve import CPU, MODEL, client, serving
 
 from kvg_export.presets import load_model
-from runtime.generator import Generator
+from runtime.decode.generator import Generator
 
 TOLERANCE = 1e-4  # fp32, as the issue sets it: eager and onnxruntime differ by about 1e-6 here
 PROMPTS = [[5, 17, 33, 2, 40, 41, 9], [70, 3, 3, 12], [8, 100, 54, 61, 6, 23, 19, 44, 81, 7]]

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from test_serve import free_socket
 
-from runtime.drain import Drain
+from runtime.serving.drain import Drain
 
 REPO = Path(__file__).resolve().parent.parent
 # New tokens of streams that fit in the grace period (MEDIUM: long enough to keep a server draining a while), and of
@@ -35,7 +35,7 @@ def kvg_serve(artifact: Path, grace: float, *flags: str, session: bool = False):
     """kvg-serve on a free port with `grace` and `flags` (`session`: in a process group of its own, as a terminal's
     job); yields the process and its URL once healthy, and kills it if the test leaves it running."""
     port = free_socket().getsockname()[1]
-    command = [sys.executable, "-m", "runtime.serve_cli", str(artifact), "--port", str(port), "--max-batch", "4",
+    command = [sys.executable, "-m", "runtime.cli.serve", str(artifact), "--port", str(port), "--max-batch", "4",
                "--threads", "1", "--provider", "cpu", "--shutdown-grace", str(grace), *flags]  # fmt: skip
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                start_new_session=session)  # fmt: skip

@@ -8,12 +8,12 @@ import pytest
 from scripted_drafts import DRAFTS, Scripted
 from test_chunked_prefill import assert_float32_close
 
-from runtime import cli
 from runtime.artifact import SessionOptions
+from runtime.cli.generate import generate as cli
+from runtime.decode.generator import GenerationConfig, Generator
+from runtime.decode.sampling import SamplingConfig
 from runtime.errors import RequestError
-from runtime.generator import GenerationConfig, Generator
-from runtime.prompt_lookup import LATEST, PromptLookup
-from runtime.sampling import SamplingConfig
+from runtime.speculative.prompt_lookup import LATEST, PromptLookup
 
 CPU = SessionOptions(provider="cpu")
 NEW = 40

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models
 
-from runtime.text_stream import TextStream
-from runtime.tokenizer import JSON_ESCAPE, TextRules, TextTokenizer
+from runtime.text.text_stream import TextStream
+from runtime.text.tokenizer import JSON_ESCAPE, TextRules, TextTokenizer
 
 BYTE_LEVEL = Tokenizer.from_file(str(Path(__file__).resolve().parent.parent / "models" / "fox-tiny" / "tokenizer.json"))
 

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from kvg_export.corpus import SPLITS, describe, read_split
 from kvg_export.presets import MODELS_DIR, load_model, resolve_checkpoint
 from runtime.artifact import SessionOptions
-from runtime.generator import GenerationConfig, Generator
+from runtime.decode.generator import GenerationConfig, Generator
 
 TRAINED = ("fox-py", "fox-pro-py")
 PROMPT = "def __init__(self, name, value=None):\n"

@@ -16,7 +16,7 @@ from kvg_export.training.cli import main as train_main
 from kvg_export.training.data import TrainingData
 from kvg_export.training.loop import mean_loss, publish_to_preset, train
 from kvg_export.training.recipe import TrainingRecipe
-from runtime.scoring import score_windows
+from runtime.decode.scoring import score_windows
 
 RECIPE = dict(seed=3, seq_len=16, batch_size=2, steps=4, learning_rate=3e-3, warmup_steps=1,
               eval_every=2, eval_windows=2, checkpoint_every=2)  # fmt: skip

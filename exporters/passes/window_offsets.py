@@ -1,7 +1,7 @@
 """An optional graph input, `window_offsets`, by which forget-gate pruning shortens each head's window, and the
 folded present keys and values that come with it.
 
-Forget-gate pruning (runtime/pruning.py) drops each head's oldest cached slots as far as that head allows, so
+Forget-gate pruning (runtime/cache/pruning.py) drops each head's oldest cached slots as far as that head allows, so
 the heads' rows of a buffer start at different positions. `window_offsets` (int64 `[layers, kv_heads]`) says how
 many slots into the attention window (the mask) each layer's kv head's rows start: head h of layer i attends
 the window without its first `window_offsets[i, h]` slots, and writes the new tokens that many slots lower (see

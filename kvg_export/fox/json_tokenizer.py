@@ -1,13 +1,13 @@
 """The released FoX checkpoints' tokenizer for transformers (their tokenizer_config.json's `JSONGPT2Tokenizer`):
 GPT-2's byte-level BPE over text JSON-escaped first, and decoded text unescaped after, as LongCrawl64 was
-tokenized. The escaping is runtime/tokenizer.py's, which the torch-free runtime applies the same way.
+tokenized. The escaping is runtime/text/tokenizer.py's, which the torch-free runtime applies the same way.
 """
 
 from __future__ import annotations
 
 from transformers import GPT2Tokenizer, PretrainedConfig
 
-from runtime.tokenizer import json_escape, json_unescape
+from runtime.text.tokenizer import json_escape, json_unescape
 
 
 class JSONGPT2Tokenizer(GPT2Tokenizer):

@@ -14,8 +14,8 @@ import numpy as np
 import onnxruntime as ort
 
 from runtime.artifact import Artifact
+from runtime.cache.device_cache import DeviceCache
 from runtime.contract import ATTENTION_MASK, CACHE_POSITION, INPUT_IDS, LOGITS, LOGITS_TO_KEEP
-from runtime.device_cache import DeviceCache
 from runtime.errors import RequestError
 
 PREFILL_WORKING_SET = 256 << 20  # bytes of a prefill run's attention terms (see chunk_size)

@@ -13,12 +13,12 @@ from pathlib import Path
 import numpy as np
 
 from runtime.artifact import Artifact, SessionOptions, runs_keep_head_windows
-from runtime.constraints import Constraint, ConstraintError, Grammar, Grammars
+from runtime.cache.pruning import AS_EXPORTED, Pruning, Tolerance
 from runtime.contract import held_in_place
+from runtime.decode.search import GenerationConfig
 from runtime.errors import RequestError
-from runtime.pruning import AS_EXPORTED, Pruning, Tolerance
-from runtime.search import GenerationConfig
-from runtime.tokenizer import TextTokenizer
+from runtime.structured.constraints import Constraint, ConstraintError, Grammar, Grammars
+from runtime.text.tokenizer import TextTokenizer
 
 
 class Model:
@@ -26,7 +26,7 @@ class Model:
         self, artifact: Artifact, tokenizer: TextTokenizer | None = None, log_pruning_tolerance: Tolerance = AS_EXPORTED
     ):  # fmt: skip
         """`log_pruning_tolerance`: forget-gate pruning as the artifact was exported with ("artifact"), at another
-        tolerance, or none (None); see runtime/pruning.py."""
+        tolerance, or none (None); see runtime/cache/pruning.py."""
         self.artifact, self.tokenizer = artifact, tokenizer
         try:
             self.pruning = Pruning.of(artifact.manifest, log_pruning_tolerance)

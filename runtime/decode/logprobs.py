@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime.sampling import SamplingConfig, filtered_logits, softmax
+from runtime.decode.sampling import SamplingConfig, filtered_logits, softmax
 
 MAX_TOP = 20  # alternatives a request may ask for, as OpenAI allows
 

@@ -17,13 +17,13 @@ from pathlib import Path
 import numpy as np
 
 from runtime.artifact import SessionOptions
-from runtime.decode_step import DecodeStep
-from runtime.device_cache import DeviceCache
+from runtime.cache.device_cache import DeviceCache
+from runtime.decode.model import Model
+from runtime.decode.prefill import left_padded, prefill
+from runtime.decode.sampling import Sampler, SamplingConfig
+from runtime.decode.search import GenerationConfig
+from runtime.decode.step import DecodeStep
 from runtime.errors import RequestError
-from runtime.model import Model
-from runtime.prefill import left_padded, prefill
-from runtime.sampling import Sampler, SamplingConfig
-from runtime.search import GenerationConfig
 
 
 @dataclass(frozen=True)

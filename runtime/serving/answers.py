@@ -24,16 +24,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sse_starlette import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 
-from runtime.chat_template import ChatTemplate
-from runtime.constraints import Constraint
-from runtime.drain import Drain
-from runtime.engine import Engine, Event, Failed, Finished, Prompt, Token
+from runtime.decode.engine import Engine, Event, Failed, Finished, Prompt, Token
+from runtime.decode.logprobs import TokenLogprob
+from runtime.decode.sampling import SamplingConfig
+from runtime.decode.search import GenerationConfig
 from runtime.errors import QueueFull, RequestError, ShuttingDown
-from runtime.http_guard import error_body
-from runtime.logprobs import TokenLogprob
-from runtime.sampling import SamplingConfig
-from runtime.search import GenerationConfig
-from runtime.text_stream import TextStream
+from runtime.serving.drain import Drain
+from runtime.serving.http_guard import error_body
+from runtime.structured.constraints import Constraint
+from runtime.text.chat_template import ChatTemplate
+from runtime.text.text_stream import TextStream
 
 RETRY_AFTER_S = 1
 LEAST_LOGPROB = -9999.0  # stands for -inf (a token the sampling processors removed), which JSON cannot hold, as in vLLM

@@ -2,7 +2,8 @@
 or streamed as server-sent events), the model list, health and Prometheus metrics.
 
 Bad input is answered with 400 and an OpenAI-style error body before anything is queued; a full queue with
-429 and Retry-After (runtime/answers.py answers both routes; runtime/chat.py shapes the chat route's answers).
+429 and Retry-After (runtime/serving/answers.py answers both routes; runtime/serving/chat.py shapes the chat
+route's answers).
 """
 
 from __future__ import annotations
@@ -21,7 +22,13 @@ from pydantic import Field
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from runtime.answers import (
+from runtime.artifact import SessionOptions, read_manifest
+from runtime.decode.engine import PREFILL_BUDGET, PREFIX_CACHE_MB, SPECULATIVE_MAX_ROWS, Engine, check_servable
+from runtime.decode.logprobs import MAX_TOP
+from runtime.decode.model import Model
+from runtime.decode.search import GenerationConfig
+from runtime.errors import RequestError
+from runtime.serving.answers import (
     ApiError,
     Choice,
     Delta,
@@ -32,18 +39,12 @@ from runtime.answers import (
     generation_config,
     parse,
 )
-from runtime.artifact import SessionOptions, read_manifest
-from runtime.chat import ChatRequest, ChatShape, chat_config, chat_prompt
-from runtime.chat_template import ChatTemplate
-from runtime.drain import DEFAULT_GRACE_S, Drain, DrainGuard
-from runtime.engine import PREFILL_BUDGET, PREFIX_CACHE_MB, SPECULATIVE_MAX_ROWS, Engine, check_servable
-from runtime.errors import RequestError
-from runtime.http_guard import HttpGuard, body_limit, error_body
-from runtime.logprobs import MAX_TOP
-from runtime.model import Model
-from runtime.prompt_lookup import PromptLookup
-from runtime.proposers import check_choice, proposer
-from runtime.search import GenerationConfig
+from runtime.serving.chat import ChatRequest, ChatShape, chat_config, chat_prompt
+from runtime.serving.drain import DEFAULT_GRACE_S, Drain, DrainGuard
+from runtime.serving.http_guard import HttpGuard, body_limit, error_body
+from runtime.speculative.prompt_lookup import PromptLookup
+from runtime.speculative.proposers import check_choice, proposer
+from runtime.text.chat_template import ChatTemplate
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
 
@@ -106,7 +107,7 @@ def create_app(
 ) -> FastAPI:  # fmt: skip
     """`api_key`: what the /v1 routes require as a bearer token (None: nothing); `max_body_bytes`: the cap on
     a request's body (None: `body_limit` of the artifact's max_cache_len and the engine's rows); `drain`: the
-    shutdown that a signal starts (runtime/drain.py)."""
+    shutdown that a signal starts (runtime/serving/drain.py)."""
     tokenizer = engine.model.tokenizer
     template = ChatTemplate.load(engine.model.artifact.folder, tokenizer) if tokenizer else None
     state = ServerState(engine, model_name, template, drain or Drain())
@@ -202,7 +203,7 @@ def _add_status_routes(app: FastAPI, state: ServerState) -> None:
 
 def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
     """The completion and chat completion routes. Parsing and tokenizing take a thread of their own, so that a
-    large body never stalls the event loop; runtime/answers.py answers both."""
+    large body never stalls the event loop; runtime/serving/answers.py answers both."""
     engine, model_name = state.engine, state.model_name
 
     @app.post("/v1/completions")

@@ -14,12 +14,13 @@ from typing import Protocol
 
 import numpy as np
 
-from runtime.constraints import Constraint, Grammar
-from runtime.sampling import Sampler, SamplingConfig
+from runtime.decode.sampling import Sampler, SamplingConfig
+from runtime.structured.constraints import Constraint, Grammar
 
 
 class Guesser(Protocol):
-    """One row's guesses (runtime/prompt_lookup.py's Lookup, runtime/draft_model.py's Drafting)."""
+    """One row's guesses (runtime/speculative/prompt_lookup.py's Lookup, runtime/speculative/draft_model.py's
+    Drafting)."""
 
     distributions: Sequence[np.ndarray]  # the latest guesses' q where drawn from one (see `Sampler.verify`)
 
@@ -47,7 +48,7 @@ class GenerationConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     prefill_chunk: int = 256  # prompts are prefilled in chunks of at most this many tokens (see prefill.chunk_size)
     speculative: Proposer | None = None  # how to guess the tokens a run verifies at once (None: one a run)
-    constraint: Constraint | None = None  # what the text must be (runtime/constraints.py; None: anything)
+    constraint: Constraint | None = None  # what the text must be (runtime/structured/constraints.py; None: anything)
 
 
 class Search:

@@ -7,11 +7,11 @@ import argparse
 import os
 import sys
 
-from runtime.drain import DEFAULT_GRACE_S
-from runtime.engine import PREFILL_BUDGET, PREFIX_CACHE_MB, SPECULATIVE_MAX_ROWS
+from runtime.cache.pruning import describe
+from runtime.decode.engine import PREFILL_BUDGET, PREFIX_CACHE_MB, SPECULATIVE_MAX_ROWS
 from runtime.errors import ArtifactError, RequestError
-from runtime.proposers import add_speculative_arguments
-from runtime.pruning import describe
+from runtime.serving.drain import DEFAULT_GRACE_S
+from runtime.speculative.proposers import add_speculative_arguments
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -70,11 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import uvicorn
 
-        from runtime.drain import DrainingServer
-        from runtime.server import ServeOptions, open_app
+        from runtime.serving.drain import DrainingServer
+        from runtime.serving.server import ServeOptions, open_app
 
         if args.ray:
-            from runtime.ray_app import serve_forever
+            from runtime.serving.ray_app import serve_forever
     except ImportError as missing:
         print(f"kvg-serve: error: {missing.name} is not installed: pip install 'kvg-export[{extra}]'", file=sys.stderr)
         return 2

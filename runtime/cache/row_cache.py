@@ -28,11 +28,11 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 
-from runtime import buffers
 from runtime.artifact import Artifact
+from runtime.cache import buffers
+from runtime.cache.prefix_cache import Block
+from runtime.cache.pruning import PRUNE_EVERY, PruningError, needed_slots
 from runtime.contract import is_shift_state
-from runtime.prefix_cache import Block
-from runtime.pruning import PRUNE_EVERY, PruningError, needed_slots
 
 
 class RowCache:
@@ -152,7 +152,7 @@ class RowCache:
 
     def read_block(self, row: int, begin: int, end: int, chunk: int, chunks: int) -> tuple[dict, dict]:
         """Copies of what chunk `chunk` of `chunks` of a prompt left: the row's slots [begin, end) of every key,
-        value and gate tensor, and its shift states (see runtime/prefix_cache.py)."""
+        value and gate tensor, and its shift states (see runtime/cache/prefix_cache.py)."""
         slots = {
             past: buffers.to_host(self.buffers[past], self.dtypes[past])[row, :, begin:end].copy()
             for past, _ in self.slotted
@@ -205,7 +205,7 @@ class RowCache:
 
     def join(self, row: int, thresholds: np.ndarray | None) -> None:
         """`row`, its prompt prefilled, decodes from now on, pruned by `thresholds` (`[layers, heads]`, see
-        runtime/pruning.py; None: every key kept)."""
+        runtime/cache/pruning.py; None: every key kept)."""
         self.running[row], self.dropped[row] = thresholds, 0
         self.holes[row] = False
 

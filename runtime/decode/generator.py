@@ -17,13 +17,13 @@ from pathlib import Path
 import numpy as np
 
 from runtime.artifact import SessionOptions
-from runtime.decode_step import DecodeStep
-from runtime.device_cache import DeviceCache
-from runtime.model import Model
-from runtime.prefill import SessionClock, left_padded, prefill
-from runtime.pruning import AS_EXPORTED, Tolerance
-from runtime.search import GenerationConfig, Search
-from runtime.text_stream import TextStream
+from runtime.cache.device_cache import DeviceCache
+from runtime.cache.pruning import AS_EXPORTED, Tolerance
+from runtime.decode.model import Model
+from runtime.decode.prefill import SessionClock, left_padded, prefill
+from runtime.decode.search import GenerationConfig, Search
+from runtime.decode.step import DecodeStep
+from runtime.text.text_stream import TextStream
 
 IDLE_CACHES = 4  # caches kept for later calls once the calls that used them have ended, most recent first
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 
-from runtime.tokenizer import TextTokenizer
+from runtime.text.tokenizer import TextTokenizer
 
 ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
 ESCAPE_TEXTS = frozenset(ESCAPES.values())  # what a backslash and its letter write

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime.sampling import softmax
+from runtime.decode.sampling import softmax
 
 LOGITS_BUDGET_BYTES = 64 << 20  # the most float32 logits one batch of windows may produce: 512 tokens of 32k
 POSITIONS_PER_BLOCK = 64  # next_token_scores' float64 work: 16 MB an array (softmax makes a few) at a 32k vocabulary

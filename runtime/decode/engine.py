@@ -24,14 +24,14 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.decode_step import DecodeStep
+from runtime.cache.prefix_cache import Block, PrefixCache
+from runtime.cache.row_cache import RowCache
+from runtime.decode.logprobs import TokenLogprob, chosen_logprob, prompt_logprobs
+from runtime.decode.model import Model
+from runtime.decode.prefill import bind_chunk, chunk_size, chunk_spans
+from runtime.decode.search import GenerationConfig, Proposer, Search
+from runtime.decode.step import DecodeStep
 from runtime.errors import ArtifactError, QueueFull, RequestError, ShuttingDown
-from runtime.logprobs import TokenLogprob, chosen_logprob, prompt_logprobs
-from runtime.model import Model
-from runtime.prefill import bind_chunk, chunk_size, chunk_spans
-from runtime.prefix_cache import Block, PrefixCache
-from runtime.row_cache import RowCache
-from runtime.search import GenerationConfig, Proposer, Search
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,7 @@ class Engine:
     ):  # fmt: skip
         """`prefill_budget`: prompt tokens prefilled between two decode steps (a waiting request's prompt is
         prefilled in chunks of at most that many, so the running rows wait at most one chunk a step);
-        `prefix_cache_bytes`: the memory recent prompts' prefixes may keep (0: none; runtime/prefix_cache.py);
+        `prefix_cache_bytes`: the memory recent prompts' prefixes may keep (0: none; runtime/cache/prefix_cache.py);
         `speculative`: how a request that names none guesses the tokens a step verifies (None: it does not);
         `speculative_max_rows`: the most rows running for a step to verify drafts (vLLM's
         speculative_disable_by_batch_size; None: the running requests' proposers' own `rows`, any number for

@@ -18,10 +18,10 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 
-from runtime import buffers
 from runtime.artifact import Artifact, window_kind
+from runtime.cache import buffers
+from runtime.cache.pruning import PRUNE_EVERY, PruningError, needed_slots
 from runtime.contract import BATCH_AXIS, PAST_AXIS, WINDOW_OFFSETS, held_in_place, is_shift_state
-from runtime.pruning import PRUNE_EVERY, PruningError, needed_slots
 
 # A gqa dynamic artifact's key, value and gate buffers first hold the prompt and up to this many new tokens, and
 # double when a generation goes further: a long max_new_tokens allocates only what is generated.
@@ -112,8 +112,8 @@ class DeviceCache:
 
     def start(self, thresholds: np.ndarray | None, width: int, new_tokens: int) -> None:
         """Begin a request of prompts `width` long and up to `new_tokens` more: from now on drop the slots every
-        head's decay has put below its threshold (`[layers, heads]`, see runtime/pruning.py; None: keep every slot),
-        else make the buffers hold the prompts and RESERVED_NEW_TOKENS more from the start."""
+        head's decay has put below its threshold (`[layers, heads]`, see runtime/cache/pruning.py; None: keep
+        every slot), else make the buffers hold the prompts and RESERVED_NEW_TOKENS more from the start."""
         self.thresholds = None if thresholds is None else np.asarray(thresholds)
         if self.thresholds is None:
             self.reserve(width + min(new_tokens - 1, RESERVED_NEW_TOKENS))  # the last new token is never fed back
@@ -188,7 +188,8 @@ class DeviceCache:
 
     def hold(self) -> None:
         """Remember where the cache is, to come back to after several runs (a draft model's round of guesses, see
-        runtime/draft_model.py): the filled positions and a copy of each shift state, which the runs overwrite."""
+        runtime/speculative/draft_model.py): the filled positions and a copy of each shift state, which the runs
+        overwrite."""
         self.held = self.filled, {name: buffers.to_host(self.past[name], self.dtypes[name]).copy()
                                   for name in self.shift_names}  # fmt: skip
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 
 from runtime.artifact import SessionOptions, is_artifact
-from runtime.draft_model import DraftModel
 from runtime.errors import RequestError
-from runtime.prompt_lookup import PromptLookup
+from runtime.speculative.draft_model import DraftModel
+from runtime.speculative.prompt_lookup import PromptLookup
 
 
 def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:

@@ -2,9 +2,9 @@
 more replicas on more nodes is configuration, not code.
 
 `kvg-serve DIR --ray --replicas N`, or with Ray's own CLI:
-`serve run runtime.ray_app:app_builder artifact=DIR replicas=N [max_batch=8 ...]`.
+`serve run runtime.serving.ray_app:app_builder artifact=DIR replicas=N [max_batch=8 ...]`.
 
-`kvg-serve --ray` drains as kvg-serve alone does (runtime/drain.py): the driver takes SIGTERM and SIGINT, and
+`kvg-serve --ray` drains as kvg-serve alone does (runtime/serving/drain.py): the driver takes SIGTERM and SIGINT, and
 tells every replica through a DrainSignal actor; each replica refuses new requests, finishes or cuts what it has
 and reports, and then Serve and Ray are shut down. Under `serve run` Ray Serve's own graceful shutdown applies,
 given the grace period and the cut's time.
@@ -22,10 +22,10 @@ import ray
 from ray import serve
 from ray.serve import Application
 
-from runtime.answers import ServerState
-from runtime.drain import CUT_FLUSH_S, SIGNALS, exit_at_once, stopped_line
 from runtime.errors import RequestError
-from runtime.server import ServeOptions, open_app
+from runtime.serving.answers import ServerState
+from runtime.serving.drain import CUT_FLUSH_S, SIGNALS, exit_at_once, stopped_line
+from runtime.serving.server import ServeOptions, open_app
 
 DEPLOYMENT = "kvg-serve"
 # app_builder's arguments arrive as text: their types, and the two that are the deployment's own
@@ -93,7 +93,7 @@ def application(
 
 
 def app_builder(args: dict[str, str]) -> Application:
-    """The application `serve run runtime.ray_app:app_builder artifact=DIR replicas=N` deploys."""
+    """The application `serve run runtime.serving.ray_app:app_builder artifact=DIR replicas=N` deploys."""
     known = {field.name for field in dataclasses.fields(ServeOptions)} | {"replicas", "replica_cpus"}
     if unknown := sorted(set(args) - known):
         raise RequestError(f"unknown arguments {unknown}; known: {sorted(known)}")

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 START_TIMEOUT_S = 120
-ROOT = Path(__file__).resolve().parent.parent  # where `python -m runtime.serve_cli` finds the package
+ROOT = Path(__file__).resolve().parent.parent  # where `python -m runtime.cli.serve` finds the package
 
 
 @contextmanager
@@ -24,7 +24,7 @@ def kvg_serve(artifact: str | Path, flags: list[str]) -> Iterator[tuple[subproce
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "runtime.serve_cli", str(artifact), "--port", str(port), *flags]
+    command = [sys.executable, "-m", "runtime.cli.serve", str(artifact), "--port", str(port), *flags]
     process = subprocess.Popen(command, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from runtime.tokenizer import TextTokenizer
+from runtime.text.tokenizer import TextTokenizer
 
 
 class TextStream:

@@ -21,7 +21,7 @@ import uvicorn
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from runtime.http_guard import error_body
+from runtime.serving.http_guard import error_body
 
 DEFAULT_GRACE_S = 20.0  # Ray Serve's default; Kubernetes sends SIGKILL 30 s after SIGTERM by default
 CUT_FLUSH_S = 5.0  # after the deadline, for the cut requests' final events to reach their clients

@@ -8,13 +8,13 @@ import sys
 from pathlib import Path
 
 from runtime.artifact import SessionOptions, unrunnable
-from runtime.constraints import Constraint, ConstraintError
+from runtime.cache.pruning import AS_EXPORTED, describe, parse_tolerance
+from runtime.decode.generator import Generator
+from runtime.decode.sampling import SamplingConfig
+from runtime.decode.search import GenerationConfig
 from runtime.errors import ArtifactError, RequestError
-from runtime.generator import Generator
-from runtime.proposers import add_speculative_arguments, proposer
-from runtime.pruning import AS_EXPORTED, describe, parse_tolerance
-from runtime.sampling import SamplingConfig
-from runtime.search import GenerationConfig
+from runtime.speculative.proposers import add_speculative_arguments, proposer
+from runtime.structured.constraints import Constraint, ConstraintError
 
 
 def _ids(text: str) -> list[int]:

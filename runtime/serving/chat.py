@@ -1,4 +1,4 @@
-"""OpenAI's chat completions over the completions machinery (runtime/answers.py): the messages become one
+"""OpenAI's chat completions over the completions machinery (runtime/serving/answers.py): the messages become one
 prompt through the artifact's chat template, and the answer is a `chat.completion`, or `chat.completion.chunk`
 events that open with the assistant's role.
 """
@@ -10,7 +10,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from runtime.answers import (
+from runtime.decode.logprobs import MAX_TOP, TokenLogprob
+from runtime.decode.search import GenerationConfig
+from runtime.errors import RequestError
+from runtime.serving.answers import (
     ApiError,
     Choice,
     Delta,
@@ -20,9 +23,6 @@ from runtime.answers import (
     generation_config,
     refusal,
 )
-from runtime.errors import RequestError
-from runtime.logprobs import MAX_TOP, TokenLogprob
-from runtime.search import GenerationConfig
 
 NO_TEMPLATE = (
     "this model's tokenizer has no chat template (tokenizer_config.json `chat_template`); use /v1/completions, "

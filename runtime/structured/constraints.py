@@ -11,7 +11,7 @@ overlaps the onnxruntime run that takes that token (llguidance releases the GIL 
 only where its constraint is complete: the artifact's and the request's stop tokens are allowed exactly when
 llguidance allows its end of sequence, so a row that runs out of tokens first ends with "length". What llguidance
 matches over is the tokenizer's vocabulary, or for a JSON-escaping tokenizer one of its own
-(runtime/grammar_vocabulary.py), whose state each row keeps.
+(runtime/structured/grammar_vocabulary.py), whose state each row keeps.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import numpy as np
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 from runtime.errors import RequestError
-from runtime.grammar_vocabulary import EscapedVocabulary, PlainVocabulary
-from runtime.tokenizer import TextTokenizer
+from runtime.structured.grammar_vocabulary import EscapedVocabulary, PlainVocabulary
+from runtime.text.tokenizer import TextTokenizer
 
 # Compact JSON (no whitespace between tokens, "," and ":" as separators, as json.dumps(..., separators=(",", ":"))
 # writes): whitespace a model may repeat until max_tokens runs out is never offered

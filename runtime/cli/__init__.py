@@ -1,0 +1,1 @@
+"""The commands: kvg-generate and kvg-serve."""
