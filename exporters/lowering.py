@@ -47,7 +47,7 @@ def lower(
         expected=f"reading {count:,} parameters" if count else "reading the checkpoint",
     )  # fmt: skip
     layers = f"{model.config.num_hidden_layers} layers"
-    layout = cache_layout(model.config, static=options.cache == "static")
+    layout = cache_layout(model.config, static=options.cache == "static", attention=options.attention)
     in_place = options.attention in IN_PLACE_KINDS
     form = "fused" if options.attention == "fused" else in_place  # the model's in_place_attention
     pruning = _pruning(options, model)
@@ -72,7 +72,7 @@ def lower(
         f"recorded for onnxruntime (ExportedProgram logits Δ {max(s.program_logits for s in r.steps):.2e})",
     )  # fmt: skip
     keep_unjoined = options.quantization.keeps if options.quantization else lambda module: False
-    choices = passes.Choices(options.attention, offsets, keep_unjoined)
+    choices = passes.Choices(options.attention, offsets, keep_unjoined, tuple(layout.shift_state_names()))
     stage(
         log, "lower", lambda _: lower_to_onnx(program, example, layout, model_path, options.opset, choices),
         lambda counts: f"ONNX opset {options.opset}, {passes.summary(counts)}, weights memory-mappable in "

@@ -38,12 +38,12 @@ def _io_entry(name: str, dtype: str, axes: list) -> dict:
 
 
 def graph_io(
-    config, layout: CacheLayout, dtype: str, max_cache_len: int | None, folded: bool = False,
-    shift_states: bool = False,
-) -> tuple[list, list]:  # fmt: skip
+    config, layout: CacheLayout, dtype: str, max_cache_len: int | None, folded: bool = False
+) -> tuple[list, list]:
     """The graph's inputs and outputs as the contract defines them: name, dtype and axes (names or sizes);
-    `folded`: a run may fold the present keys' and values' heads into rows (exporters/passes/window_offsets.py);
-    `shift_states`: each token's shift states follow (exporters/passes/shift_states.py)."""
+    `folded`: a run may fold the present keys' and values' heads into rows (exporters/passes/window_offsets.py).
+    The layout, which the graph's lowering also follows, says which outputs there are: each token's shift states
+    follow the presents where it names them (exporters/passes/shift_states.py)."""
     heads, kv_heads, head_dim = config.num_heads, config.kv_heads, config.head_dim
     length_in, length_out = (max_cache_len, max_cache_len) if layout.static else (io.PAST_AXIS, io.TOTAL_AXIS)
     batch = io.BATCH_AXIS
@@ -67,8 +67,7 @@ def graph_io(
     inputs += [cache_entry(n, f, length_in, rows_in) for n, f in zip(layout.past_names(), fields, strict=True)]
     outputs = [_io_entry(io.LOGITS, "float32", [batch, io.KEPT_AXIS, config.vocab_size])]
     outputs += [cache_entry(n, f, length_out, rows_out) for n, f in zip(layout.present_names(), fields, strict=True)]
-    if shift_states:
-        outputs += [_io_entry(n, dtype, [batch, io.SEQ_AXIS, kv_heads * head_dim]) for n in layout.shift_state_names()]
+    outputs += [_io_entry(n, dtype, [batch, io.SEQ_AXIS, kv_heads * head_dim]) for n in layout.shift_state_names()]
     return inputs, outputs
 
 
@@ -87,9 +86,7 @@ def build_manifest(
     `tokenizer_special_ids`: the special tokens the tokenizer names, which stand in for those the model's config
     leaves out; `pruning`: the tolerance and score bounds the runtime prunes with (exporters/lowering.py), None
     for a cache it cannot prune."""
-    fused = attention == "fused"
-    inputs, outputs = graph_io(config, layout, dtype, max_cache_len, folded=window_offsets and not fused,
-                               shift_states=fused)  # fmt: skip
+    inputs, outputs = graph_io(config, layout, dtype, max_cache_len, folded=window_offsets and attention != "fused")
     return {
         "format_version": io.FORMAT_VERSION,
         "exporter_version": exporter_version,

@@ -134,5 +134,8 @@ def lower_to_onnx(
         axes = _axis_names(layout, value.name)
         value.shape = ir.Shape([name or dim for name, dim in zip(axes, value.shape, strict=True)])
     counts = passes.run(onnx_program.model, choices)
+    made, described = [value.name for value in graph.outputs], layout.output_names() + list(choices.shift_states)
+    if made != described:  # the manifest lists the layout's outputs (exporters/manifest.py's graph_io)
+        raise ValueError(f"the graph's outputs {made} are not the layout's {described}")
     weights_file.save(onnx_program.model, path)
     return counts

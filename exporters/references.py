@@ -21,7 +21,7 @@ from exporters.validate import (
 )
 from exporters.wrappers import ExportableFox
 from kvg_export import FoxForCausalLM
-from runtime.contract import WINDOW_OFFSETS, CacheLayout, cache_shape, is_shift_state
+from runtime.contract import WINDOW_OFFSETS, CacheLayout, cache_shape
 
 
 def _host(tensor: torch.Tensor) -> np.ndarray:
@@ -96,7 +96,9 @@ class _Run:
         self.eager, self.exported, self.layout = eager, exported, layout
         self.pasts = {"eager": pasts, "program": [t.clone() for t in pasts]}
         self.logits = None
-        self.shifts = [i for i, name in enumerate(layout.present_names()) if is_shift_state(name)]
+        # the presents whose each-token states the graph gives, layout.shift_state_names()'s order
+        fields = [name.rpartition(".")[2] for name in layout.present_names()]
+        self.shifts = [i for i, field in enumerate(fields) if field in layout.each_token]
 
     def _head(self, tokens: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
         """The graph's leading inputs for `tokens` whose window (with the positions before them) is `mask`."""

@@ -165,8 +165,7 @@ def validate_onnx(references: References, session, progress: Progress | None = N
     for run in references.staggered:  # as the runtime binds the buffers
         runs.append(({"onnx": list(run.pasts)}, zip(_numbered(run.branches), run.steps, strict=True)))
     keep_last = {LOGITS_TO_KEEP: np.ones(1, dtype=np.int64)}
-    graph_outputs = {output.name for output in session.get_outputs()}
-    shifts = [name for name in layout.shift_state_names() if name in graph_outputs]  # a fused FoX-Pro graph's
+    shifts = layout.shift_state_names()  # a fused FoX-Pro graph's each-token states
     presents = slice(1, len(layout.output_names()))  # of a run's outputs, what the next step takes as its past
     progress = progress or untracked()
     progress.plan(len(references.steps) + sum(len(run.steps) for run in references.staggered), "steps validated")

@@ -26,7 +26,7 @@ SHIFT_FIELDS = ("key_shift", "value_shift")  # FoX-Pro's token-shift states: [ba
 CACHE_FIELDS = ("key", "value", "gate", *SHIFT_FIELDS)  # in the order of kvg_export's TENSOR_FIELDS
 # A fused FoX-Pro graph's outputs besides the contract's: each new token's shift state `[batch, seq, width]`, so that
 # a speculative run that keeps its first tokens only keeps the state after the last of them
-# (exporters/passes/shift_states.py)
+# (exporters/passes/shift_states.py); which ones a graph gives: `CacheLayout.each_token`, from `operator_shifts`
 SHIFT_STATES_TEMPLATE = "shift_states.{layer}.{field}"
 
 # Axis names the manifest gives sizes that vary
@@ -77,13 +77,26 @@ def held_in_place(static: bool, attention: str) -> bool:
     return static or attention in ("fused", "gqa")
 
 
+def operator_shifts(config) -> tuple[str, ...]:
+    """The token shifts (of CACHE_FIELDS) that the fused operator does itself for a model, and so gives each new
+    token's state of: every shift the model has, but none with RoPE, which turns the keys between the shift (and
+    QK-norm) and attention. A RoPE model's graph does its shifts, QK-norm and RoPE around the operator, and its
+    shift states are only the presents. The fused model (kvg_export/fox/modeling.py) hands the operator exactly
+    these shifts, and `cache_layout` names the graph's each-token outputs from them: one decision for both."""
+    if config.use_rope:
+        return ()
+    return tuple(f for f, on in (("key_shift", config.use_k_shift), ("value_shift", config.use_v_shift)) if on)
+
+
 @dataclass(frozen=True)
 class CacheLayout:
-    """What one model's cache holds: its layer count and which of CACHE_FIELDS each layer carries."""
+    """What one model's cache holds: its layer count and which of CACHE_FIELDS each layer carries; and which of
+    those shift fields the graph also gives each new token's state of (`each_token`, SHIFT_STATES_TEMPLATE)."""
 
     num_layers: int
     fields: tuple[str, ...]
     static: bool
+    each_token: tuple[str, ...] = ()
 
     def past_names(self) -> list[str]:
         return [PAST_TEMPLATE.format(layer=i, field=f) for i in range(self.num_layers) for f in self.fields]
@@ -99,9 +112,10 @@ class CacheLayout:
         return [LOGITS, *self.present_names()]
 
     def shift_state_names(self) -> list[str]:
-        """The shift-state outputs a fused graph adds (SHIFT_STATES_TEMPLATE), in the graph's order."""
+        """The graph's outputs of each new token's shift states (SHIFT_STATES_TEMPLATE), after the contract's and in
+        the graph's order: none unless `each_token` names shifts."""
         return [SHIFT_STATES_TEMPLATE.format(layer=i, field=f)
-                for i in range(self.num_layers) for f in self.fields if is_shift_state(f)]  # fmt: skip
+                for i in range(self.num_layers) for f in self.fields if f in self.each_token]  # fmt: skip
 
 
 def cache_shape(config, field: str, batch: int, length: int) -> tuple[int, ...]:
@@ -114,7 +128,10 @@ def cache_shape(config, field: str, batch: int, length: int) -> tuple[int, ...]:
     return (batch, config.kv_heads * config.head_dim)
 
 
-def cache_layout(config, static: bool) -> CacheLayout:
-    """The layout of a FoX config: key, value and gate always; the shift states its options ask for."""
+def cache_layout(config, static: bool, attention: str = "standard") -> CacheLayout:
+    """The layout of a FoX config's graph attending through `attention` (exporters/export.py's kinds): key, value and
+    gate always; the shift states its options ask for; and a fused graph's each-token states of the shifts its
+    operator does (`operator_shifts`)."""
     shifts = [f for f, on in (("key_shift", config.use_k_shift), ("value_shift", config.use_v_shift)) if on]
-    return CacheLayout(config.num_hidden_layers, ("key", "value", "gate", *shifts), static)
+    each_token = operator_shifts(config) if attention == "fused" else ()
+    return CacheLayout(config.num_hidden_layers, ("key", "value", "gate", *shifts), static, each_token)

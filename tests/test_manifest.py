@@ -30,7 +30,8 @@ def contract_io(config: FoxConfig, dtype: str, max_cache_len: int | None, fused:
     """The contract's inputs (optional ones last) and outputs, spelled out from the model's sizes: keys and values
     in the model's dtype `[batch, kv_heads, length, head_dim]`, gates float32 `[batch, heads, length]`, shift states
     `[batch, kv_heads * head_dim]`; a static cache's length is its size, a dynamic one's "past" before a run and
-    "total" after it. A `fused` graph then gives each token's shift states `[batch, seq, kv_heads * head_dim]`."""
+    "total" after it. A `fused` graph then gives each token's shift states `[batch, seq, kv_heads * head_dim]`, but
+    not with RoPE, whose shifts the graph does around the operator."""
     heads, kv_heads, dim = config.num_heads, config.kv_heads, config.head_dim
     shifts = [f for f, on in (("key_shift", config.use_k_shift), ("value_shift", config.use_v_shift)) if on]
 
@@ -55,7 +56,7 @@ def contract_io(config: FoxConfig, dtype: str, max_cache_len: int | None, fused:
     each_token = [
         {"name": f"shift_states.{layer}.{field}", "dtype": dtype, "axes": ["batch", "seq", kv_heads * dim]}
         for layer in range(config.num_hidden_layers) for field in shifts
-    ] if fused else []  # fmt: skip
+    ] if fused and not config.use_rope else []  # fmt: skip
     return inputs, [logits, *cache("present", max_cache_len if static else "total"), *each_token]
 
 

@@ -122,7 +122,7 @@ def test_each_tokens_shift_states_of_a_fused_fox_pro_graph_are_checked_against_e
     prefill, the only step of several tokens, naming the output."""
     path = exported("fox-pro-tiny", "dynamic", attention="fused")[0].path
     model = load_model("fox-pro-tiny")
-    layout = cache_layout(model.config, static=False)
+    layout = cache_layout(model.config, static=False, attention="fused")
     program, _ = export_program(model, layout, in_place_attention="fused")
     session = ort.InferenceSession(str(path / "model.onnx"), session_options(path), providers=["CPUExecutionProvider"])
     recorded = references.record(model, layout, program, None)

@@ -30,6 +30,8 @@ class Choices:
     attention: str  # how attention was lowered (exporters/translations.py)
     window_offsets: bool  # whether the graph takes forget-gate pruning's window offsets
     keep_unjoined: Callable[[str], bool] = lambda module: False  # modules whose projections are not joined
+    # the each-token shift-state outputs the graph gives (runtime/contract.py's CacheLayout.shift_state_names())
+    shift_states: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,7 @@ PASSES = (
     ),
     GraphPass(
         "shift-state outputs of each token",
-        lambda model, c: expose_shift_states(model.graph) if c.attention == "fused" else 0,
+        lambda model, c: expose_shift_states(model.graph, list(c.shift_states)),
     ),
     GraphPass("logits_to_keep inputs", lambda model, _: keep_last_logits(model.graph)),
     GraphPass("values named uniquely", lambda model, _: unique_names(model.graph)),

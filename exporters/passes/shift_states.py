@@ -9,6 +9,10 @@ operator gives every new token's state (its outputs key_shift_states and value_s
 OP_OUTPUTS): this pass makes
 them graph outputs, `shift_states.{i}.key_shift` and `.value_shift` `[batch, seq, kv_heads * head_dim]`, after the
 contract's. A consumer that does not fetch them runs the graph as before.
+
+Which of them a graph gives is not decided here: the export's layout names them (runtime/contract.py's
+`CacheLayout.each_token`, from `operator_shifts`, which the model also follows), the manifest lists those, and this
+pass exposes exactly those or refuses, so the manifest and the graph cannot disagree.
 """
 
 from __future__ import annotations
@@ -30,16 +34,18 @@ from runtime.contract import (
 STATES = {OP_OUTPUTS.index(f"present_{f}"): OP_OUTPUTS.index(f"{f}_states") for f in SHIFT_FIELDS}
 
 
-def expose_shift_states(graph: ir.Graph) -> int:
-    """Give every fused attention node with a token shift its per-token state outputs, as graph outputs named after
-    its present states; returns how many outputs it added."""
-    outputs = {value.name for value in graph.outputs}
-    added = []
+def expose_shift_states(graph: ir.Graph, names: list[str]) -> int:
+    """Make `names` (SHIFT_STATES_TEMPLATE's, the layout's `shift_state_names()`) graph outputs, each the per-token
+    states of the fused attention node whose present state it continues; returns how many outputs it added. Raises
+    ValueError naming any it cannot give: a shift the graph does around the operator, not in it."""
+    prefix = SHIFT_STATES_TEMPLATE.partition("{")[0]
+    wanted = {PRESENT_PREFIX + name.removeprefix(prefix): name for name in names}  # present state -> its each-token
+    added = {}
     for node in list(graph):
         if node.op_type != OP_NAME or node.domain != OP_DOMAIN:
             continue
-        names = [value.name for value in node.outputs]
-        shifted = [i for i in STATES if i < len(names) and names[i] in outputs]
+        outputs = [value.name for value in node.outputs]
+        shifted = [i for i in STATES if i < len(outputs) and outputs[i] in wanted]
         if not shifted:
             continue
         wider = ir.node(OP_NAME, list(node.inputs), dict(node.attributes), domain=OP_DOMAIN,
@@ -52,10 +58,15 @@ def expose_shift_states(graph: ir.Graph) -> int:
             new.name = name
         for index in shifted:
             present, states = wider.outputs[index], wider.outputs[STATES[index]]
-            layer, field = names[index].removeprefix(PRESENT_PREFIX).split(".")
-            states.name = SHIFT_STATES_TEMPLATE.format(layer=layer, field=field)
+            states.name = wanted[present.name]
             states.dtype, states.shape = present.dtype, ir.Shape([BATCH_AXIS, SEQ_AXIS, present.shape[1]])
-            added.append(states)
+            added[states.name] = states
         graph.remove(node, safe=True)
-    graph.outputs.extend(added)
+    missing = [name for name in names if name not in added]
+    if missing:
+        raise ValueError(
+            f"the layout names shift-state outputs {missing} that no fused attention node gives: the model does "
+            "those token shifts around the operator (runtime/contract.py's operator_shifts decides which it does)"
+        )
+    graph.outputs.extend(added[name] for name in names)  # in the layout's order, as the manifest lists them
     return len(added)

@@ -24,6 +24,7 @@ from kvg_export.fox.configuration import FoxConfig
 from kvg_export.fox.fused_attention import fox_attention
 from kvg_export.fox.in_place_attention import group_query_attention
 from kvg_export.fox.layers import QK_NORM_EPS, GatedMLP, HeadRMSNorm, RMSNorm, ShiftLinear, rotate
+from runtime.contract import operator_shifts
 
 SHIFT_FIELD = {"k_proj": "key_shift", "v_proj": "value_shift"}  # the cache's state of each projection's token shift
 # With a cache, a longer input runs through the layers in chunks of this many tokens, as the runtime prefills
@@ -168,14 +169,17 @@ class ForgettingAttention(nn.Module):
             raise ValueError("fused attention needs a cache to write to")
         _check_consecutive(cache_position)
         query = self.q_proj(x)
-        key_shift = value_shift = norms = (None, None)  # each shift's logits and state before the step; QK-norm weights
+        # Each shift's logits and state before the step where the op does it (runtime/contract.py's operator_shifts,
+        # which also names the graph's each-token state outputs: none with RoPE), else done here; QK-norm weights
+        inside, norms = operator_shifts(self.config), (None, None)
+        (keys, *key_shift), (values, *value_shift) = (
+            self._shift_inputs(name, x, cache) if field in inside else (self._project(name, x, keep, cache), None, None)
+            for name, field in SHIFT_FIELD.items()
+        )
         if self.config.use_rope:
-            keys, values = self._project("k_proj", x, keep, cache), self._project("v_proj", x, keep, cache)
             query, keys = self._per_head(query, keys, positions)
-        else:
-            (keys, *key_shift), (values, *value_shift) = (self._shift_inputs(name, x, cache) for name in SHIFT_FIELD)
-            if self.config.qk_norm:
-                norms = (self.q_norm.weight, self.k_norm.weight)
+        elif self.config.qk_norm:
+            norms = (self.q_norm.weight, self.k_norm.weight)
         after = (
             self.output_norm.weight if self.config.use_output_norm else None,
             self.ogate_proj(x) if self.config.use_output_gate else None,
