@@ -59,8 +59,8 @@ def _prefilled(generator: Generator, prompts: list[list[int]], chunk: int) -> tu
     cache, width = DeviceCache(generator.model.artifact, len(prompts)), max(map(len, prompts))
     logits = generator.generate(prompts, config, keep_logits=True, cache=cache).step_logits[0]
     host = {}
-    for past, _ in cache.pairs:
-        array = np.array(buffers.to_host(cache.past[past], generator.model.artifact.input_spec(past)["dtype"]))
+    for past in generator.model.artifact.past_names():
+        array = np.array(buffers.to_host(cache.held_in(past), generator.model.artifact.input_spec(past)["dtype"]))
         host[past] = array if past.endswith("shift") else array[:, :, :width]
     return logits, host
 

@@ -82,6 +82,6 @@ def test_a_device_cache_step_over_a_growing_batch_equals_session_run(artifacts):
         want = reference_step(artifact, pasts, ids, mask[:, : filled + 1], filled)
         np.testing.assert_array_equal(step(ids)[:, -1], want)
     for name, reference in pasts.items():
-        kept = to_host(cache.past[name], cache.dtypes[name])
+        kept = to_host(cache.held_in(name), artifact.input_spec(name)["dtype"])
         kept = kept[:, :, : reference.shape[2]] if name in cache.in_place else kept  # the buffers' filled slots
         np.testing.assert_array_equal(kept, reference, err_msg=name)

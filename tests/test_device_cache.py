@@ -27,8 +27,8 @@ def test_the_window_mask_keeps_each_positions_count_of_the_tokens_before_it(cach
     full[2, 12:] = 0  # a row that stopped generating
     mask = full.copy()
     for offset, end in [(5, 14), (9, 20)]:
-        cache.offset = offset  # as pruning leaves it: positions [0, offset) dropped from every head
-        window = cache.window_mask(mask, end)
+        cache.window.offset = offset  # as pruning leaves it: positions [0, offset) dropped from every head
+        window = cache.window.mask(mask, end)
         assert window.shape == (3, end - offset)
         attended = full[:, offset:end] > 0
         np.testing.assert_array_equal(window > 0, attended)

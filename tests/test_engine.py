@@ -8,9 +8,9 @@ import time
 import numpy as np
 import pytest
 
-from runtime import engine as engine_module
 from runtime.artifact import SessionOptions
 from runtime.cache.row_cache import RowCache
+from runtime.decode import engine as engine_module
 from runtime.decode.engine import Engine, Failed, Finished, QueueFull, Token
 from runtime.decode.generator import GenerationConfig, Generator
 from runtime.decode.model import Model

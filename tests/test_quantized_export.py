@@ -12,8 +12,8 @@ from scripted_drafts import Scripted
 from exporters import cli
 from exporters.cache_check import check_cache
 from exporters.quantization import Quantization
-from runtime import cli as generate_cli
 from runtime.artifact import SessionOptions
+from runtime.cli import generate as generate_cli
 from runtime.decode.generator import GenerationConfig, Generator
 
 QUALITY_WINDOWS = "8"  # of the test split: about 4k predicted tokens, enough to judge int4 against 90%

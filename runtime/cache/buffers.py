@@ -96,20 +96,3 @@ def bind_rows(
     row_bytes = int(np.prod(shape[1:])) * item_size(dtype)
     bound = [count * shape[1], 1, *shape[2:]] if folded else [count, *shape[1:]]
     bind(name, device, 0, element_type(dtype), bound, value.data_ptr() + first * row_bytes)
-
-
-def bind_row_state(
-    binding: ort.IOBinding, names: tuple[str, str], states: tuple[ort.OrtValue, ort.OrtValue, ort.OrtValue],
-    dtype: str, device: str, row: int, chunk: int, chunks: int,
-) -> None:  # fmt: skip
-    """Bind a state that a run reads and replaces (a shift state) for chunk `chunk` of `chunks` of a prompt
-    prefilled into `row` alone. `names`: its past input and present output; `states`: the buffer the next decode
-    step reads, its spare, and a one-row zero state the first chunk reads. The row's state goes back and
-    forth between the two (each chunk reads one and writes the other), so that the last chunk writes the one
-    decode reads."""
-    past, present = names
-    current, spare, fresh = states
-    written, other = (current, spare) if (chunks - 1 - chunk) % 2 == 0 else (spare, current)
-    source, source_row = (fresh, 0) if chunk == 0 else (other, row)
-    bind_rows(binding.bind_input, past, source, dtype, device, source_row, 1)
-    bind_rows(binding.bind_output, present, written, dtype, device, row, 1)

@@ -109,3 +109,17 @@ def needed_slots(gates: list[np.ndarray], thresholds: np.ndarray) -> np.ndarray:
     """How many of its newest slots each head still needs in some row, `[layers, heads]`: gates per layer
     `[rows, heads, window]`, thresholds `[layers, heads]`."""
     return np.stack([g.shape[-1] - droppable(g, t).min(0) for g, t in zip(gates, thresholds, strict=True)])
+
+
+def due(filled: int, pruned_at: int) -> bool:
+    """Whether a cache pruned at `pruned_at` positions prunes again at `filled`: every PRUNE_EVERY positions, so
+    that the gates' sums cost a step little on average."""
+    return filled - pruned_at >= PRUNE_EVERY
+
+
+def count_dropped(mask: np.ndarray, first, dropped: np.ndarray) -> None:
+    """Make each row's column `first` (one for all rows, or one a row) of an attention `mask` `[rows, slots]` count
+    the `dropped` `[rows]` positions pruned before it as well, so that the mask's running sum (a token's RoPE
+    position) stays that of the whole sequence; a 0 (padding, or a row that has ended) stays 0."""
+    rows = np.arange(len(mask))
+    mask[rows, first] = np.where(mask[rows, first] > 0, mask[rows, first] + dropped, 0)

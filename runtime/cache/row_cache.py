@@ -31,7 +31,8 @@ import onnxruntime as ort
 from runtime.artifact import Artifact
 from runtime.cache import buffers
 from runtime.cache.prefix_cache import Block
-from runtime.cache.pruning import PRUNE_EVERY, PruningError, needed_slots
+from runtime.cache.pruning import PruningError, count_dropped, due, needed_slots
+from runtime.cache.shift_states import ShiftStates
 from runtime.contract import is_shift_state
 
 
@@ -39,24 +40,25 @@ class RowCache:
     def __init__(self, artifact: Artifact, rows: int):
         self.artifact, self.rows, self.device = artifact, rows, artifact.device
         self.length = artifact.manifest["cache"]["max_cache_len"]
-        pairs = list(zip(artifact.past_names(), artifact.present_names(), strict=True))
+        pairs = zip(artifact.past_names(), artifact.present_names(), strict=True)
         self.slotted = [pair for pair in pairs if not is_shift_state(pair[0])]  # keys, values, gates
-        self.shifted = [pair for pair in pairs if is_shift_state(pair[0])]  # shift models' token-shift states
         self.gate_names = artifact.gate_names()
-        self.dtypes = {past: artifact.input_spec(past)["dtype"] for past, _ in pairs}
-        self.buffers = {past: self._zeros(past, rows) for past, _ in pairs}
-        # A shift state is read and replaced by one step, so it lives in two buffers that trade roles
-        self.spare = {past: self._zeros(past, rows) for past, _ in self.shifted}
-        self.fresh = {past: self._zeros(past, 1) for past, _ in self.shifted}  # a new request's state
+        self.dtypes = {past: artifact.input_spec(past)["dtype"] for past in artifact.past_names()}
+        self.buffers = {past: self._zeros(past, rows) for past, _ in self.slotted}
+        self.states = ShiftStates(artifact, rows, touched=True)
         # A prompt's state between its chunks, out of the rows' buffers, which the decode steps between chunks rewrite
-        self.scratch = {past: (self._zeros(past, 1), self._zeros(past, 1)) for past, _ in self.shifted}
-        self.token_states: dict[str, np.ndarray] = {}  # the latest step's shift states after each token, if given
+        self.scratch = {past: (self._zeros(past, 1), self._zeros(past, 1)) for past in self.states.names}
+        self.width = 1  # the latest step's tokens a row
         self.clock = 0  # the slot the next decode step writes, in every row
         self.pruned_at = 0  # the clock when the running rows were last pruned
         self.holes = np.zeros((rows, self.length), dtype=bool)  # slots a running row does not keep (see `keep`)
         self.running: dict[int, np.ndarray | None] = {}  # decoding rows: pruning's thresholds (None: keep every key)
         self.begins = np.zeros(rows, dtype=np.int64)  # a row's first kept slot (placed: its prompt's first)
         self.dropped = np.zeros(rows, dtype=np.int64)  # a running row's oldest positions that pruning dropped
+
+    def held_in(self, past: str) -> ort.OrtValue:
+        """The buffer that holds cache tensor `past` now (its contents, for a test or a check to read)."""
+        return self.buffers[past] if past in self.buffers else self.states.current[past]
 
     def _zeros(self, name: str, rows: int) -> ort.OrtValue:
         """Zeroed, since a slot no request wrote is still read (with weight exactly 0) and 0 * NaN is NaN; touched
@@ -87,40 +89,29 @@ class RowCache:
         for past, present in self.slotted:
             self._bind(binding.bind_input, past, past, self.buffers[past], 0, rows)
             self._bind(binding.bind_output, present, past, self.buffers[past], 0, rows)
-        for past, present in self.shifted:
-            read, written = (self.spare[past], self.buffers[past]) if ahead else (self.buffers[past], self.spare[past])
-            self._bind(binding.bind_input, past, past, read, 0, rows)
-            self._bind(binding.bind_output, present, past, written, 0, rows)
+        self.states.bind(binding, rows, ahead)
 
     def advance(
         self, outputs: list[ort.OrtValue] | None = None, width: int = 1, states: dict[str, np.ndarray] | None = None
     ) -> None:  # fmt: skip
         """After a decode step of `width` tokens a row: the clock moves on, and the spares hold the shift states now
         (`states`: their values after each token, where the graph gives them; see `keep`)."""
-        self.clock, self.token_states = self.clock + width, {} if states is None else states
-        for past, _ in self.shifted:
-            self.buffers[past], self.spare[past] = self.spare[past], self.buffers[past]
+        self.clock, self.width = self.clock + width, width
+        self.states.advance(states)
 
-    def keep(self, row: int, kept: int, width: int) -> int:
-        """Of the latest step's `width` slots of `row`, keep the first `kept`; the others become holes. Where the model
-        shifts tokens and some are not kept, its state becomes the one after the last kept token where the graph
-        gives each token's; else the row goes back to its state before the step, and every slot of the step is a
-        hole: returns how many tokens the row's next step must feed again first (else 0)."""
-        if kept >= width:
+    def keep(self, kept: int, row: int) -> int:
+        """Of the latest step's slots of `row`, keep the first `kept`; the others become holes. Where the model shifts
+        tokens and some are not kept, its state becomes the one after the last kept token (ShiftStates.keep), or the
+        row goes back to its state before the step, every slot of the step a hole: returns how many tokens the row's
+        next step must feed again first (else 0)."""
+        if kept >= self.width:
             return 0
-        for past, states in self.token_states.items():
-            with buffers.on_host(self.buffers[past], self.dtypes[past], self.device) as state:
-                state[row] = states[row, kept - 1]
-        again = kept if self.shifted and not self.token_states else 0
-        first = self.clock - width + (0 if again else kept)
+        again = kept if self.states.keep(row, kept) else 0
+        first = self.clock - self.width + (0 if again else kept)
         self.holes[row, first : self.clock] = True
         for past in self.gate_names:
             with buffers.on_host(self.buffers[past], "float32", self.device) as host:
                 host[row, :, first : self.clock] = 0
-        for past, _ in self.shifted if again else ():  # the step read the spare's state and wrote the current one's
-            host = buffers.to_host(self.spare[past], self.dtypes[past])[row]
-            with buffers.on_host(self.buffers[past], self.dtypes[past], self.device) as state:
-                state[row] = host
         return again
 
     def trim(self) -> None:
@@ -141,14 +132,14 @@ class RowCache:
         for past, present in self.slotted:
             self._bind(binding.bind_input, past, past, self.buffers[past], row, 1)
             self._bind(binding.bind_output, present, past, self.buffers[past], row, 1)
-        for past, present in self.shifted:
-            source = self.fresh[past] if chunk == 0 and not resumed else self.scratch[past][(chunk - 1) % 2]
+        for past, present in self.states.pairs:
+            source = self.states.zero[past] if chunk == 0 and not resumed else self.scratch[past][(chunk - 1) % 2]
             self._bind(binding.bind_input, past, past, source, 0, 1)
             self._bind(binding.bind_output, present, past, *self._state_after(past, row, chunk, chunks), 1)
 
     def _state_after(self, past: str, row: int, chunk: int, chunks: int) -> tuple[ort.OrtValue, int]:
         """Where chunk `chunk` of `chunks` writes the shift state: (buffer, row)."""
-        return (self.buffers[past], row) if chunk == chunks - 1 else (self.scratch[past][chunk % 2], 0)
+        return (self.states.current[past], row) if chunk == chunks - 1 else (self.scratch[past][chunk % 2], 0)
 
     def read_block(self, row: int, begin: int, end: int, chunk: int, chunks: int) -> tuple[dict, dict]:
         """Copies of what chunk `chunk` of `chunks` of a prompt left: the row's slots [begin, end) of every key,
@@ -158,7 +149,7 @@ class RowCache:
             for past, _ in self.slotted
         }
         states = {}
-        for past, _ in self.shifted:
+        for past in self.states.names:
             value, index = self._state_after(past, row, chunk, chunks)
             states[past] = buffers.to_host(value, self.dtypes[past])[index].copy()
         return slots, states
@@ -252,7 +243,7 @@ class RowCache:
         one, the row that holds the most slots leaves (returned, with the error naming the head that needs them);
         otherwise prune every PRUNE_EVERY slots."""
         if self.clock + width <= self.length:
-            if self.clock - self.pruned_at >= PRUNE_EVERY:
+            if due(self.clock, self.pruned_at):
                 self._prune()
             return []
         failed = []
@@ -284,7 +275,7 @@ class RowCache:
         attended = np.arange(self.clock + width) >= begins[:, None]
         attended[:, : self.clock] &= ~self.holes[:rows, : self.clock]
         mask = attended.astype(np.int64)
-        mask[np.arange(rows), attended.argmax(axis=1)] += dropped  # each row's first attended slot
+        count_dropped(mask, attended.argmax(axis=1), dropped)  # at each row's first attended slot
         return width, self.clock, mask
 
     def _prune(self) -> dict[int, np.ndarray]:

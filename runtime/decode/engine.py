@@ -439,7 +439,7 @@ class Engine:
                 return
             if not row.search.accepts(chosen, drafts, position):
                 break
-        again = self.cache.keep(index, pending + position, width)
+        again = self.cache.keep(pending + position, index)
         if again:  # else `_choose` left the latest token alone pending
             row.pending = [*fed[:again], *row.pending]
 
