@@ -174,13 +174,13 @@ def check_row(row: dict, folder: Path, seed: int, asked: str | None = None) -> N
     cache bound in place, pruning at the config's tolerance) is transformers' generate()'s, tokens and logits."""
     import onnx
     from conftest import STATIC_LENGTH
-    from runtime.generator import GenerationConfig, Generator
 
     from exporters.export import ExportOptions, export_artifact
     from exporters.references import eager_generate
     from exporters.validate import greedy_disagreement
     from kvg_export.presets import load_model
     from runtime.artifact import SessionOptions
+    from runtime.decode.generator import GenerationConfig, Generator
 
     checkpoint = write_checkpoint(row, folder / "checkpoint", seed)
     length = STATIC_LENGTH if row["cache"] == "static" else None

@@ -17,7 +17,7 @@ from test_speculative import CPU, KINDS, NEW, prompts
 
 from exporters.export import ExportOptions
 from kvg_export.presets import load_model
-from runtime.cli.generate import generate as cli
+from runtime.cli import generate as cli
 from runtime.decode.generator import GenerationConfig, Generator
 from runtime.decode.model import Model
 from runtime.decode.sampling import Sampler, SamplingConfig, filtered_logits

@@ -3,10 +3,10 @@
 import itertools
 import random
 import threading
-import time
 
 import numpy as np
 import pytest
+from manual_clock import ManualClock, wait_until
 
 from runtime.artifact import SessionOptions
 from runtime.cache.row_cache import RowCache
@@ -155,10 +155,7 @@ def test_a_row_is_freed_once_its_request_ends_and_taken_by_the_next(exported):
     long.cancel()
     got.wait(2)
     assert sorted(got.ends) == [1, 2] and len(got.tokens[0]) < 40
-    deadline = time.monotonic() + 10
-    while engine.busy_rows and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert engine.busy_rows == 0
+    wait_until(lambda: engine.busy_rows == 0, "the rows were not freed")
     engine.close()
 
 
@@ -251,10 +248,12 @@ def test_a_failing_request_or_consumer_leaves_the_others_running(exported, monke
 
 
 def test_a_request_past_its_deadline_ends_with_length(exported, monkeypatch):
+    """On the engine's clock, which only its decode steps move: the request is admitted at once (never past its
+    deadline while it waits) and runs out of time after about 20 steps, however loaded the machine."""
     generator = Generator.open(exported("fox-tiny", "static")[0].path, CPU)
-    step = Engine._step
-    monkeypatch.setattr(Engine, "_step", lambda self: time.sleep(0.01) or step(self))  # a slow model
-    engine, got = Engine(generator.model, 2, timeout_s=0.2), Collector(1)
+    clock, step = ManualClock(), Engine._step
+    monkeypatch.setattr(Engine, "_step", lambda self: clock.advance(0.01) or step(self))  # a slow model: 10 ms a step
+    engine, got = Engine(generator.model, 2, timeout_s=0.2, clock=clock), Collector(1)
     engine.submit([5, 6], GenerationConfig(max_new_tokens=80, min_new_tokens=80), got.emit(0))
     got.wait(1)
     engine.close()

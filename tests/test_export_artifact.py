@@ -77,11 +77,12 @@ def test_a_failed_validation_leaves_no_artifact_and_keeps_the_old_one(tmp_path, 
     good.mkdir()
     (good / "model.onnx").write_text("the previous good artifact")
     monkeypatch.setitem(validate.TOLERANCES, "float32", -1.0)  # any difference at all now fails
+    here = {"separate_process": False}  # quicker; test_isolated.py runs the stages apart
     with pytest.raises(ExportError, match=r"validation failed: prefill: .* differ"):
-        export_artifact(ExportOptions("fox-tiny", good, force=True), log=lambda _: None)
+        export_artifact(ExportOptions("fox-tiny", good, force=True, **here), log=lambda _: None)
     assert (good / "model.onnx").read_text() == "the previous good artifact"
     with pytest.raises(ExportError, match="validation failed"):
-        export_artifact(ExportOptions("fox-tiny", tmp_path / "new"), log=lambda _: None)
+        export_artifact(ExportOptions("fox-tiny", tmp_path / "new", **here), log=lambda _: None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
 
 
@@ -146,7 +147,8 @@ def test_an_unwritable_output_path_is_refused(tmp_path, capsys):
 
 
 def test_an_older_opset_passes_the_same_validation(tmp_path):
-    result = export_artifact(ExportOptions("fox-pro-tiny", tmp_path / "art", opset=18), log=lambda _: None)
+    options = ExportOptions("fox-pro-tiny", tmp_path / "art", opset=18, separate_process=False)  # quicker here
+    result = export_artifact(options, log=lambda _: None)
     assert result.report.passed
     assert json.loads((result.path / MANIFEST_NAME).read_text())["opset"] == 18
     assert [p.name for p in result.path.iterdir() if p.name.startswith("model.onnx.")]  # the weights file

@@ -10,6 +10,7 @@ import onnx
 import pytest
 from conftest import STATIC_LENGTH
 
+from exporters.export import DEFAULT_MAX_BATCH
 from exporters.manifest import build_manifest, check_graph_matches, source_digest
 from kvg_export import FoxConfig
 from runtime.contract import cache_layout
@@ -84,7 +85,7 @@ def test_the_manifest_lists_the_graphs_inputs_and_outputs_and_its_cache_as_the_c
     shifted = config.use_k_shift
     fields = ["key", "value", "gate", *(["key_shift", "value_shift"] if shifted else [])]
     assert manifest["cache"] == {
-        "kind": cache, "max_cache_len": length, "max_batch": manifest["cache"]["max_batch"], "fields": fields,
+        "kind": cache, "max_cache_len": length, "max_batch": DEFAULT_MAX_BATCH, "fields": fields,
         "shift_width": config.kv_heads * config.head_dim if shifted else None, "heads_apart_in_chunks": False,
     }  # fmt: skip
     names = manifest["names"]

@@ -74,7 +74,9 @@ def test_kvg_serve_on_ray_ends_a_stream_longer_than_the_grace_period_with_an_eve
         process.send_signal(signal.SIGTERM)
         stream.join()
         status = process.wait(grace + RAY_STOP_S - (time.monotonic() - sent))
-        assert status == 0, process.stderr.read()[-2000:]  # a CI run once saw 15 (Ray's SIGTERM handler's), unexplained
+        # A CI run once saw 15: the exit of Ray's own SIGTERM handler, which ray.init installs and the driver replaces
+        # before it serves; kvg_serve now signals only a server that answers with its own model name
+        assert status == 0, process.stderr.read()[-2000:]
     assert stream.failure is None and stream.events[-1] == "[DONE]" and len(stream.tokens_received) < LONG
     [error] = stream.errors
     assert "grace period" in error["message"]

@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from manual_clock import ManualClock, wait_until
 
 from runtime.artifact import SessionOptions
 from runtime.decode.engine import Engine, Failed, Finished, Token
@@ -279,20 +280,24 @@ def test_a_full_queue_is_a_429_with_retry_after_and_the_queued_request_still_run
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_that_goes_away_frees_its_row(generator, monkeypatch, stream):
-    step = Engine._step
-    monkeypatch.setattr(Engine, "_step", lambda self: time.sleep(0.02) or step(self))  # 80 steps take > 1.6 s
+    step, left = Engine._step, threading.Event()
+
+    def held(engine: Engine) -> None:  # the request cannot finish before its client has gone and the server seen it
+        if not left.is_set():
+            wait_until(lambda: any(row is not None and row.request.cancelled for row in engine.rows), "no cancel")
+            left.set()
+        step(engine)
+
+    monkeypatch.setattr(Engine, "_step", held)
     with serving(generator, max_batch=1) as (url, engine):
         body = {"prompt": [5, 6], "max_tokens": 80, "min_tokens": 80, "stream": stream}
         if stream:
             with httpx.stream("POST", f"{url}/v1/completions", json=body) as answer:
                 next(answer.iter_lines())
         else:
-            with pytest.raises(httpx.ReadTimeout):
+            with pytest.raises(httpx.ReadTimeout):  # no answer can come: its steps wait for it to leave
                 httpx.post(f"{url}/v1/completions", json=body, timeout=0.3)
-        started = time.monotonic()
-        while engine.busy_rows and time.monotonic() - started < 10:
-            time.sleep(0.01)
-        assert engine.busy_rows == 0, "the row was not freed when its client left"
+        wait_until(lambda: not engine.busy_rows, "the row was not freed when its client left")
         metrics = httpx.get(f"{url}/metrics").text
         assert metric(metrics, "kvg_generated_tokens_total") < 80
         assert metric(metrics, 'kvg_requests_total{outcome="cancelled"}') == 1
@@ -301,9 +306,10 @@ def test_a_client_that_goes_away_frees_its_row(generator, monkeypatch, stream):
 
 
 def test_a_request_past_the_timeout_ends_with_length(generator, monkeypatch):
-    step = Engine._step
-    monkeypatch.setattr(Engine, "_step", lambda self: time.sleep(0.01) or step(self))
-    with serving(generator, max_batch=2, timeout_s=0.3) as (url, _engine):
+    """On the engine's clock, which only its decode steps move (10 ms each): out of time after about 30 steps."""
+    clock, step = ManualClock(), Engine._step
+    monkeypatch.setattr(Engine, "_step", lambda self: clock.advance(0.01) or step(self))
+    with serving(generator, max_batch=2, timeout_s=0.3, engine_options={"clock": clock}) as (url, _engine):
         answer = client(url).completions.create(
             model=MODEL, prompt=[5, 6], max_tokens=80, extra_body={"min_tokens": 80}
         )

@@ -8,11 +8,13 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
+from manual_clock import HANG_S, wait_until
 from test_serve import free_socket
 
 from runtime.serving.drain import Drain
@@ -22,6 +24,22 @@ REPO = Path(__file__).resolve().parent.parent
 # one that does not
 SHORT, MEDIUM, LONG = 120, 360, 800
 PROMPT = "def main():"
+ROWS = 4
+# kvg-serve whose decode steps wait while a file exists, the queue is empty and no prompt is being prefilled: a test
+# that makes the file sees its streams admitted (each with its first token or so) and then none ends, however fast
+# or loaded the machine, until it removes the file or the server closes its engine
+HELD = """import sys, time
+from pathlib import Path
+from runtime.cli import serve as serve_cli
+from runtime.decode.engine import Engine
+hold, step = Path(sys.argv[1]), Engine._step
+def held(engine):
+    while hold.exists() and not engine.waiting and engine.filling is None and not engine._closing:
+        time.sleep(0.005)
+    step(engine)
+Engine._step = held
+sys.exit(serve_cli.main(sys.argv[2:]))
+"""
 
 
 @pytest.fixture(scope="module")
@@ -31,18 +49,24 @@ def artifact(exported) -> Path:
 
 
 @contextmanager
-def kvg_serve(artifact: Path, grace: float, *flags: str, session: bool = False):
+def kvg_serve(artifact: Path, grace: float, *flags: str, session: bool = False, hold: Path | None = None):
     """kvg-serve on a free port with `grace` and `flags` (`session`: in a process group of its own, as a terminal's
-    job); yields the process and its URL once healthy, and kills it if the test leaves it running."""
+    job; `hold`: its decode steps wait while this file exists, see HELD); yields the process and its URL once
+    healthy, and kills it if the test leaves it running."""
     port = free_socket().getsockname()[1]
-    command = [sys.executable, "-m", "runtime.cli.serve", str(artifact), "--port", str(port), "--max-batch", "4",
-               "--threads", "1", "--provider", "cpu", "--shutdown-grace", str(grace), *flags]  # fmt: skip
+    # Free now, but until the server binds it another process may take it (another test's kvg-serve, in another
+    # worker): a name of its own tells this one's answers apart, so that no signal is sent before it serves (a signal
+    # sent to kvg-serve --ray while ray.init runs meets Ray's handler, which exits 15)
+    name = f"kvg-test-{uuid.uuid4().hex[:12]}"
+    arguments = [str(artifact), "--port", str(port), "--max-batch", str(ROWS), "--threads", "1", "--provider", "cpu",
+                 "--shutdown-grace", str(grace), "--model-name", name, *flags]  # fmt: skip
+    command = [sys.executable, *(["-c", HELD, str(hold)] if hold else ["-m", "runtime.cli.serve"]), *arguments]
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                start_new_session=session)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
-        while not healthy(url):
+        while not serves(url, name):
             assert process.poll() is None, process.stderr.read()
             assert time.monotonic() < deadline, "kvg-serve did not start"
             time.sleep(0.1)
@@ -53,9 +77,12 @@ def kvg_serve(artifact: Path, grace: float, *flags: str, session: bool = False):
             process.wait()
 
 
-def healthy(url: str) -> bool:
+def serves(url: str, name: str) -> bool:
+    """Whether the server at `url` is healthy and serves the model `name`."""
     try:
-        return httpx.get(f"{url}/health", timeout=5).status_code == 200
+        if httpx.get(f"{url}/health", timeout=5).status_code != 200:
+            return False
+        return [model["id"] for model in httpx.get(f"{url}/v1/models", timeout=5).json()["data"]] == [name]
     except httpx.TransportError:
         return False
 
@@ -103,6 +130,17 @@ def streamed(url: str, *tokens: int) -> list[Stream]:
     return streams
 
 
+def admitted(url: str, *tokens: int) -> list[Stream]:
+    """Streams of these lengths, started together; returned once the server's metrics show them all in its cache
+    rows (on a server whose steps are held, see HELD: none can end before the test lets it)."""
+    streams = [Stream(url, count) for count in tokens]
+    for stream in streams:
+        stream.start()
+    occupancy = f"kvg_batch_occupancy {len(tokens) / ROWS}"
+    wait_until(lambda: occupancy in httpx.get(f"{url}/metrics", timeout=HANG_S).text, "the streams were not admitted")
+    return streams
+
+
 def ended_after(streams: list[Stream], moment: float) -> int:
     """How many of `streams` ended after `moment`: those in flight then."""
     return sum(stream.ended_at > moment for stream in streams)
@@ -118,21 +156,22 @@ def wait_for_draining(url: str, consecutive: int = 1) -> None:
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_a_signal_drains_the_streams_in_flight_refuses_new_requests_and_exits_0(artifact, signum):
-    grace = 60.0
-    with kvg_serve(artifact, grace) as (process, url):
+def test_a_signal_drains_the_streams_in_flight_refuses_new_requests_and_exits_0(artifact, signum, tmp_path):
+    grace, hold = 60.0, tmp_path / "hold"
+    with kvg_serve(artifact, grace, hold=hold) as (process, url):
         [alone] = streamed(url, SHORT)  # the same request on the server before it is stopped
         alone.join()
-        streams = streamed(url, SHORT, SHORT, SHORT, MEDIUM)
+        hold.touch()
+        streams = admitted(url, SHORT, SHORT, SHORT, MEDIUM)  # all four in flight at the signal
         signalled = time.monotonic()
         process.send_signal(signum)
         wait_for_draining(url)
+        hold.unlink()
         refused = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 4}, timeout=30)
         assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
         for stream in streams[:3]:
             stream.join()
-        # the short ones in flight at the signal (all, but on a machine too loaded to start them in time), counted
-        # while the longest keeps the server up
+        # the short ones in flight at the signal (all), counted while the longest keeps the server up
         drained = f"kvg_shutdown_drained_requests_total {ended_after(streams[:3], signalled)}.0"
         deadline = time.monotonic() + 10
         while drained not in httpx.get(f"{url}/metrics", timeout=30).text:
@@ -149,10 +188,11 @@ def test_a_signal_drains_the_streams_in_flight_refuses_new_requests_and_exits_0(
     assert in_flight >= 2 and last.startswith(f"kvg-serve: stopped on {signum.name}: drained {in_flight} requests in ")
 
 
-def test_a_stream_longer_than_the_grace_period_ends_with_an_event_that_says_why(artifact):
-    grace = 1.0
-    with kvg_serve(artifact, grace) as (process, url):
-        [stream] = streamed(url, LONG)
+def test_a_stream_longer_than_the_grace_period_ends_with_an_event_that_says_why(artifact, tmp_path):
+    grace, hold = 1.0, tmp_path / "hold"
+    hold.touch()  # its steps wait until the cut closes the engine: longer than the grace period on any machine
+    with kvg_serve(artifact, grace, hold=hold) as (process, url):
+        [stream] = admitted(url, LONG)
         process.send_signal(signal.SIGTERM)
         stream.join()
         assert process.wait(30) == 0  # how soon is the summary's to say: a stop on the flush's timeout names it
@@ -165,15 +205,17 @@ def test_a_stream_longer_than_the_grace_period_ends_with_an_event_that_says_why(
     assert last.endswith(", cut 1 request at the 1 s grace deadline")
 
 
-def test_a_second_signal_stops_the_server_at_once(artifact):
-    with kvg_serve(artifact, 60.0) as (process, url):
-        [stream] = streamed(url, LONG)
+def test_a_second_signal_stops_the_server_at_once(artifact, tmp_path):
+    hold = tmp_path / "hold"
+    hold.touch()  # its steps wait: it is still running at the second signal on any machine
+    with kvg_serve(artifact, 60.0, hold=hold) as (process, url):
+        [stream] = admitted(url, LONG)
         process.send_signal(signal.SIGTERM)
         wait_for_draining(url)
         process.send_signal(signal.SIGINT)
         assert process.wait(30) == 1
         stream.join()
-    assert stream.events[-1] != "[DONE]"  # it was cut off, as asked
+    assert "[DONE]" not in stream.events  # it was cut off, as asked
     last = process.stderr.read().strip().splitlines()[-1]
     assert last == "kvg-serve: a second signal (SIGINT): exiting at once, 1 request cut off"
 
@@ -183,16 +225,16 @@ def test_the_drain_counts_what_finishes_in_the_grace_period_and_cuts_the_rest():
     cut, stopped, counted = threading.Event(), threading.Event(), {"drained": 0, "cut": 0}
     messages = []
     drain = Drain(grace_s=0.2, on_drained=lambda: counted.update(drained=counted["drained"] + 1),
-                  on_cut=lambda count: counted.update(cut=count))  # fmt: skip
+                  on_cut=lambda count: counted.update(cut=count), flush_s=HANG_S)  # fmt: skip
     drain.admitted()
     drain.admitted()
     drain.begin(signal.SIGTERM)
+    drain.finished()  # the first, within the grace period: before its wait begins, however late its thread starts
     running = threading.Thread(target=drain.run, args=(lambda m: (messages.append(m), cut.set()), stopped.set))
     running.start()
-    drain.finished()  # the first, within the grace period
-    assert cut.wait(30) and not stopped.is_set()  # past the deadline the rest is cut; its last event is awaited
+    assert cut.wait(HANG_S) and not stopped.is_set()  # past the deadline the rest is cut; its last event is awaited
     drain.finished()
-    running.join(30)
+    running.join(HANG_S)
     assert stopped.is_set() and (drain.drained, drain.cut, counted) == (1, 1, {"drained": 1, "cut": 1})
     assert "0.2 s grace period" in messages[0] and "cut 1 request at the 0.2 s grace deadline" in drain.summary()
 

@@ -9,7 +9,7 @@ from scripted_drafts import DRAFTS, Scripted
 from test_chunked_prefill import assert_float32_close
 
 from runtime.artifact import SessionOptions
-from runtime.cli.generate import generate as cli
+from runtime.cli import generate as cli
 from runtime.decode.generator import GenerationConfig, Generator
 from runtime.decode.sampling import SamplingConfig
 from runtime.errors import RequestError

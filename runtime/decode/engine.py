@@ -72,7 +72,7 @@ class Request:
     prompt: list[int]
     config: GenerationConfig
     emit: Callable[[Event], None]  # called from the engine's thread: Tokens, then one Finished or Failed
-    deadline: float | None  # time.monotonic() past which the request ends
+    deadline: float | None  # the engine's clock (time.monotonic()) past which the request ends
     logprobs: int | None = None  # alternatives to report with each token's log-probability; None: no log-probabilities
     echo: bool = False  # send a Prompt event first; max_new_tokens may then be 0
     cancelled: bool = False
@@ -136,7 +136,7 @@ class Engine:
     def __init__(
         self, model: Model, max_batch: int, max_queue: int = 64, timeout_s: float | None = None,
         prefill_budget: int = PREFILL_BUDGET, prefix_cache_bytes: int = 0, speculative: Proposer | None = None,
-        speculative_max_rows: int | None = SPECULATIVE_MAX_ROWS,
+        speculative_max_rows: int | None = SPECULATIVE_MAX_ROWS, clock: Callable[[], float] = time.monotonic,
     ):  # fmt: skip
         """`prefill_budget`: prompt tokens prefilled between two decode steps (a waiting request's prompt is
         prefilled in chunks of at most that many, so the running rows wait at most one chunk a step);
@@ -146,13 +146,14 @@ class Engine:
         speculative_disable_by_batch_size; None: the running requests' proposers' own `rows`, any number for
         prompt lookup and one for a draft model, which guesses a run a row): a batch reads the weights once for
         every row already, so where a model's step is the weights' reading, a wide step's extra tokens can cost
-        more than they save once a few rows run."""
+        more than they save once a few rows run. `clock`: the seconds that requests' deadlines are read on (a test
+        gives its own)."""
         check_servable(model.artifact.folder, model.artifact.manifest, max_batch)
         if prefill_budget < 1:
             raise RequestError(f"the prefill budget must be at least 1 token a step, got {prefill_budget}")
         self.model, self.max_queue, self.timeout_s = model, max_queue, timeout_s
         self.speculative, self.speculative_max_rows = speculative, speculative_max_rows
-        self.prefill_budget = prefill_budget
+        self.prefill_budget, self.clock = prefill_budget, clock
         self.filling: _Filling | None = None
         self.prefixes = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         self._prefill_binding = model.artifact.session.io_binding()
@@ -217,7 +218,7 @@ class Engine:
         once the engine closes (ShuttingDown)."""
         self.check(prompt, config)
         config = self._speculating(config)
-        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        deadline = None if self.timeout_s is None else self.clock() + self.timeout_s
         request = Request(list(prompt), config, emit, deadline, logprobs, echo)
         with self._wake:
             if self._closing:
@@ -287,7 +288,7 @@ class Engine:
                 request = self.waiting[0]
                 if request.cancelled:
                     self.waiting.popleft()
-                elif request.deadline is not None and time.monotonic() > request.deadline:
+                elif request.deadline is not None and self.clock() > request.deadline:
                     self.waiting.popleft()
                     self._send(request, Failed("the request timed out waiting for a free row"))
                 else:
@@ -472,7 +473,7 @@ class Engine:
         if not self._send(request, Token(token, scored)):
             self._free(index)
             return None
-        if not search.done and request.deadline is not None and time.monotonic() > request.deadline:
+        if not search.done and request.deadline is not None and self.clock() > request.deadline:
             search.end(0, "length")
         if search.done:
             self._free(index)
