@@ -10,13 +10,14 @@ from manual_clock import ManualClock, wait_until
 
 from runtime.artifact import SessionOptions
 from runtime.cache.row_cache import RowCache
-from runtime.decode import engine as engine_module
-from runtime.decode.engine import Engine, Failed, Finished, QueueFull, Token
+from runtime.decode import prompt_fill
+from runtime.decode.engine import Engine
 from runtime.decode.generator import GenerationConfig, Generator
 from runtime.decode.model import Model
 from runtime.decode.prefill import bind_chunk
+from runtime.decode.requests import Failed, Finished, Token
 from runtime.decode.sampling import SamplingConfig
-from runtime.errors import ArtifactError, RequestError
+from runtime.errors import ArtifactError, QueueFull, RequestError
 
 CPU = SessionOptions(provider="cpu")
 
@@ -230,7 +231,7 @@ def test_a_failing_request_or_consumer_leaves_the_others_running(exported, monke
             raise RuntimeError("onnxruntime refused the input")
         return bind_chunk(binding, artifact, ids, *rest)
 
-    monkeypatch.setattr(engine_module, "bind_chunk", refuse_poisoned)
+    monkeypatch.setattr(prompt_fill, "bind_chunk", refuse_poisoned)
     config = GenerationConfig(max_new_tokens=20, min_new_tokens=20)
 
     def broken(event):

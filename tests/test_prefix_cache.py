@@ -10,8 +10,9 @@ from test_serve import metric, serving
 
 from runtime.artifact import SessionOptions
 from runtime.cache.prefix_cache import Block, PrefixCache
-from runtime.decode.engine import Engine, Finished, Token
+from runtime.decode.engine import Engine
 from runtime.decode.generator import GenerationConfig, Generator
+from runtime.decode.requests import Finished, Token
 from runtime.decode.sampling import SamplingConfig
 
 CPU = SessionOptions(provider="cpu")

@@ -18,9 +18,10 @@ from kvg_export.fox.pruning import score_bounds
 from kvg_export.presets import load_model
 from runtime.artifact import SessionOptions
 from runtime.cache.pruning import PruningError, droppable
-from runtime.decode.engine import Engine, Failed, Finished, Token
+from runtime.decode.engine import Engine
 from runtime.decode.generator import GenerationConfig, Generator
 from runtime.decode.model import Model
+from runtime.decode.requests import Failed, Finished, Token
 from runtime.errors import RequestError
 from runtime.speculative.draft_model import DraftModel
 

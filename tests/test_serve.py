@@ -18,9 +18,10 @@ import uvicorn
 from manual_clock import ManualClock, wait_until
 
 from runtime.artifact import SessionOptions
-from runtime.decode.engine import Engine, Failed, Finished, Token
+from runtime.decode.engine import Engine
 from runtime.decode.generator import GenerationConfig, Generator
 from runtime.decode.logprobs import TokenLogprob
+from runtime.decode.requests import Failed, Finished, Token
 from runtime.decode.sampling import SamplingConfig
 from runtime.serving.answers import ApiError, Choice, Decoded, ServerState
 from runtime.serving.server import create_app

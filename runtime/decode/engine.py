@@ -24,62 +24,20 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.cache.prefix_cache import Block, PrefixCache
+from runtime.cache.prefix_cache import PrefixCache
 from runtime.cache.row_cache import RowCache
-from runtime.decode.logprobs import TokenLogprob, chosen_logprob, prompt_logprobs
+from runtime.decode.logprobs import chosen_logprob
 from runtime.decode.model import Model
-from runtime.decode.prefill import bind_chunk, chunk_size, chunk_spans
+from runtime.decode.prompt_fill import Prefiller, PromptFill
+from runtime.decode.requests import Event, Failed, Finished, Prompt, Request, Token
 from runtime.decode.search import GenerationConfig, Proposer, Search
 from runtime.decode.step import DecodeStep
 from runtime.errors import ArtifactError, QueueFull, RequestError, ShuttingDown
 
-
-@dataclass(frozen=True)
-class Token:
-    token: int
-    logprob: TokenLogprob | None = None  # when the request asked for log-probabilities
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """Sent before any Token to a request that echoes its prompt: the prompt's tokens with their log-probabilities,
-    if it asked for them (else None)."""
-
-    logprobs: list[TokenLogprob] | None
-
-
-@dataclass(frozen=True)
-class Finished:
-    reason: str  # "stop" (a stop token), "length" (max_new_tokens, or the deadline) or "cancelled"
-    prompt_tokens: int
-    completion_tokens: int
-
-
-@dataclass(frozen=True)
-class Failed:
-    message: str
-
-
-Event = Prompt | Token | Finished | Failed
 NO_DRAFTS = np.zeros((1, 0), dtype=np.int64)
 SPECULATIVE_MAX_ROWS = None  # each proposer's own `rows` (bench/README.md: speculative decoding)
 PREFILL_BUDGET = 64  # prompt tokens prefilled between two decode steps, by default (bench/README.md: serving)
 PREFIX_CACHE_MB = 256  # kvg-serve's memory for recent prompts' prefixes, by default
-
-
-@dataclass(eq=False)
-class Request:
-    prompt: list[int]
-    config: GenerationConfig
-    emit: Callable[[Event], None]  # called from the engine's thread: Tokens, then one Finished or Failed
-    deadline: float | None  # the engine's clock (time.monotonic()) past which the request ends
-    logprobs: int | None = None  # alternatives to report with each token's log-probability; None: no log-probabilities
-    echo: bool = False  # send a Prompt event first; max_new_tokens may then be 0
-    cancelled: bool = False
-
-    def cancel(self) -> None:
-        """Free the request's row (or queue place) before the next step; it emits nothing more."""
-        self.cancelled = True
 
 
 @dataclass(eq=False)
@@ -98,17 +56,19 @@ class _Row:
         """Decode steps the row may still take: each feeds its last token and yields the next."""
         return self.request.config.max_new_tokens - len(self.generated)
 
+    def drafts(self, room: int) -> list[int]:
+        """Up to `room` drafts for the row to verify (none while a prompt is prefilled: see `Engine._step`)."""
+        speculating = self.request.config.speculative is not None and room > 0
+        return self.search.drafts(room)[0].tolist() if speculating else []
 
-@dataclass(eq=False)
-class _Filling:
-    """A request being prefilled, a chunk between two decode steps, into a row of its own."""
 
-    request: Request
-    row: int
-    spans: list[tuple[int, int]]  # the chunks' [begin, end) in the prompt
-    scores: list[TokenLogprob]  # the prompt's log-probabilities so far, where the request echoes them
-    resumed: int = 0  # the prompt's tokens a cached prefix supplied, before the first chunk
-    done: int = 0  # chunks prefilled
+def speculation_limit(running: list[tuple[int, _Row]], most: int | None) -> float:
+    """The most rows running for a step to verify drafts: `most` (the engine's speculative_max_rows), else the least
+    `rows` of the running requests' proposers."""
+    if most is not None:
+        return most
+    proposers = (row.request.config.speculative for _, row in running)
+    return min((proposer.rows for proposer in proposers if proposer is not None), default=math.inf)
 
 
 def _feeds(config: GenerationConfig) -> int:
@@ -153,11 +113,11 @@ class Engine:
             raise RequestError(f"the prefill budget must be at least 1 token a step, got {prefill_budget}")
         self.model, self.max_queue, self.timeout_s = model, max_queue, timeout_s
         self.speculative, self.speculative_max_rows = speculative, speculative_max_rows
-        self.prefill_budget, self.clock = prefill_budget, clock
-        self.filling: _Filling | None = None
+        self.clock = clock
+        self.filling: PromptFill | None = None
         self.prefixes = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
-        self._prefill_binding = model.artifact.session.io_binding()
         self.cache = RowCache(model.artifact, max_batch)
+        self.prefiller = Prefiller(model, self.cache, prefill_budget, self.prefixes)
         self.rows: list[_Row | None] = [None] * max_batch
         self.decode_one_token = DecodeStep(model.artifact, self.cache, model.artifact.session.run_with_iobinding)
         self.drafts_proposed = self.drafts_accepted = 0  # by the requests that ended, for /metrics
@@ -240,7 +200,7 @@ class Engine:
         self.waiting.clear()
         self.filling, self.rows = None, [None] * len(self.rows)
         for request in left:
-            self._send(request, Failed(message))
+            request.send(Failed(message))
 
     def _loop(self) -> None:
         while True:
@@ -258,28 +218,18 @@ class Engine:
             except Exception as error:  # a fault of the engine's own: the running requests fail, the loop goes on
                 if self.filling is not None:
                     filling, self.filling = self.filling, None
-                    self._send(filling.request, Failed(f"internal error: {error!r}"))
+                    filling.request.send(Failed(f"internal error: {error!r}"))
                 self._fail_running(f"internal error: {error!r}")
 
     def _fail_running(self, message: str) -> None:
         for index, row in enumerate(self.rows):
             if row is not None:
                 self._free(index)
-                self._send(row.request, Failed(message))
+                row.request.send(Failed(message))
 
     def _free(self, index: int) -> None:
         self.rows[index] = None
         self.cache.leave(index)
-
-    @staticmethod
-    def _send(request: Request, event: Event) -> bool:
-        """Deliver an event; a consumer that raises fails its own request only."""
-        try:
-            request.emit(event)
-            return True
-        except Exception:  # the consumer is gone or broken: its request ends, the others go on
-            request.cancel()
-            return False
 
     def _next_waiting(self) -> Request | None:
         """The oldest queued request still wanted, dropping those cancelled or past their deadline."""
@@ -290,7 +240,7 @@ class Engine:
                     self.waiting.popleft()
                 elif request.deadline is not None and self.clock() > request.deadline:
                     self.waiting.popleft()
-                    self._send(request, Failed("the request timed out waiting for a free row"))
+                    request.send(Failed("the request timed out waiting for a free row"))
                 else:
                     return request
         return None
@@ -300,73 +250,42 @@ class Engine:
         row = next((i for i, other in enumerate(self.rows) if other is None and i != self._filling_row), None)
         if self.filling is not None or row is None or (request := self._next_waiting()) is None:
             return
-        prompt = request.prompt
-        blocks = self._cached_prefix(request)
-        resumed = blocks[-1].end if blocks else 0
-        spans = [(resumed + b, resumed + e) for b, e in chunk_spans(len(prompt) - resumed, self._chunk(request.config))]
         running = [other.feeds_left for other in self.rows if other is not None]
         reserved = max(self._reserved(feeds) for feeds in [*running, _feeds(request.config)])
-        if not self.cache.place(row, len(prompt), len(spans), reserved):
-            return  # it fits once running rows end: it stays first in the queue
-        with self._wake:
-            self.waiting.popleft()
-        self.filling = _Filling(request, row, spans, [TokenLogprob(prompt[0], None)], resumed)
-        if blocks:
-            self.cache.restore(row, blocks)
-
-    def _cached_prefix(self, request: Request) -> list[Block]:
-        """The cached blocks a request's prefill may start from: none for a request that scores its prompt (every
-        position's logits are needed), and at least its last token is prefilled (for the first new one's logits)."""
-        if self.prefixes is None or (request.echo and request.logprobs is not None):
-            return []
-        return self.prefixes.longest(request.prompt, len(request.prompt) - 1)
-
-    def _chunk(self, config: GenerationConfig) -> int:
-        """Prompt tokens a prefill run takes: the budget between two decode steps, or fewer (see chunk_size)."""
-        return chunk_size(self.model.artifact, 1, self.cache.length, min(self.prefill_budget, config.prefill_chunk))
+        self.filling = self.prefiller.place(request, row, reserved)
+        if self.filling is not None:  # else it fits once running rows end: it stays first in the queue
+            with self._wake:
+                self.waiting.popleft()
 
     @property
     def _filling_row(self) -> int | None:
         return None if self.filling is None else self.filling.row
 
     def _fill(self) -> None:
-        """Prefill the next chunk of the request being prefilled (where the cache placed it, see RowCache.place and
-        prepare_chunk); after its last, the request joins decoding."""
-        filling, session = self.filling, self.model.artifact.session
-        request, binding = filling.request, self._prefill_binding
-        config, prompt = request.config, request.prompt
+        """Prefill the next chunk of the request being prefilled; after its last, the request joins decoding."""
+        fill = self.filling
+        request = fill.request
         if request.cancelled:
             self.filling = None
             return
-        span = start, end = filling.spans[filling.done]
-        slot, mask = self.cache.prepare_chunk(filling.row, span)
-        scoring = request.echo and request.logprobs is not None  # every position's logits, to score the prompt
-        ids = np.array([prompt[start:end]], dtype=np.int64)
         try:
-            bind_chunk(binding, self.model.artifact, ids, mask, slot, self.cache.device, not scoring)
-            self.cache.bind_row(binding, filling.row, filling.done, len(filling.spans), filling.resumed > 0)
-            session.run_with_iobinding(binding)
+            self.prefiller.feed(fill)
         except Exception as error:  # onnxruntime refused this request: it fails, the engine goes on
             self.filling = None
-            self._send(request, Failed(f"prefill failed: {error}"))
+            request.send(Failed(f"prefill failed: {error}"))
             return
-        if self.prefixes is not None and end - start == self._chunk(config):  # a whole chunk: where others resume
-            slots, states = self.cache.read_chunk(filling.row, span, filling.done, len(filling.spans))
-            self.prefixes.add(prompt, Block(end, start, slots, states))
-        if scoring:
-            chunk = binding.get_outputs()[0].numpy()[0]
-            filling.scores += prompt_logprobs(chunk, prompt, start, config.sampling, request.logprobs)
-        filling.done += 1
-        if filling.done == len(filling.spans):
-            self.filling = None
-            if request.echo:
-                self._send(request, Prompt(filling.scores if scoring else None))
-            if config.max_new_tokens > 0:
-                self._join(filling, binding.get_outputs()[0].numpy()[:, -1])
-            else:
-                self._send(request, Finished("length", len(prompt), 0))
+        logits = self.prefiller.take(fill)
+        if not fill.whole:
+            return
+        self.filling = None
+        if request.echo:
+            request.send(Prompt(fill.scores if fill.scoring else None))
+        if request.config.max_new_tokens > 0:
+            self._join(fill, logits[:, -1])
+        else:
+            request.send(Finished("length", len(request.prompt), 0))
 
-    def _join(self, filling: _Filling, logits: np.ndarray) -> None:
+    def _join(self, filling: PromptFill, logits: np.ndarray) -> None:
         """A prefilled request's row, decoding from its first token on (chosen from the prompt's last `logits`)."""
         request, model = filling.request, self.model
         config, prompt = request.config, request.prompt
@@ -386,17 +305,17 @@ class Engine:
         `speculative_max_rows` run); free rows among them (and a row being prefilled) are fed padding and ignored."""
         self._drop_cancelled()
         running = [(index, row) for index, row in enumerate(self.rows) if row is not None]
-        speculating = self.filling is None and len(running) <= self._speculation_limit(running)
+        speculating = self.filling is None and len(running) <= speculation_limit(running, self.speculative_max_rows)
         widest = max((len(row.pending) + row.search.budget for _, row in running), default=1)
         for index, error in self.cache.before_step(widest if speculating else 1):  # a row the cache has no room for
             request = self.rows[index].request
             self._free(index)
-            self._send(request, Failed(str(error)))
+            request.send(Failed(str(error)))
             running = [(other, row) for other, row in running if other != index]
         if not running:
             return
         room = self.cache.room if speculating else 1
-        fed = {index: (row.pending + self._drafts(row, room - len(row.pending)))[:room]
+        fed = {index: (row.pending + row.drafts(room - len(row.pending)))[:room]
                for index, row in running}  # fmt: skip
         width, count = max(map(len, fed.values())), max(fed) + 1
         ids = np.full((count, width), self.model.pad, dtype=np.int64)
@@ -411,19 +330,6 @@ class Engine:
             self._take(index, logits[index], tokens, width)
         if width > 1:
             self.cache.trim()
-
-    def _speculation_limit(self, running: list[tuple[int, _Row]]) -> float:
-        """The most rows running for a step to verify drafts: speculative_max_rows, else the least `rows` of the
-        running requests' proposers."""
-        if self.speculative_max_rows is not None:
-            return self.speculative_max_rows
-        proposers = (row.request.config.speculative for _, row in running)
-        return min((proposer.rows for proposer in proposers if proposer is not None), default=math.inf)
-
-    @staticmethod
-    def _drafts(row: _Row, room: int) -> list[int]:
-        """Up to `room` drafts for the row to verify (none while a prompt is prefilled: see `_step`)."""
-        return row.search.drafts(room)[0].tolist() if row.request.config.speculative is not None and room > 0 else []
 
     def _take(self, index: int, logits: np.ndarray, fed: list[int], width: int) -> None:
         """A running row's tokens from a step that fed it `fed` (its pending tokens, then drafts) with its logits at
@@ -467,10 +373,10 @@ class Engine:
                 scored = chosen_logprob(logits, token, config.sampling, request.logprobs, search.context, banned)
         except Exception as error:  # a fault in one request's sampling fails that request only
             self._free(index)
-            self._send(request, Failed(f"sampling failed: {error}"))
+            request.send(Failed(f"sampling failed: {error}"))
             return None
         search.record(chosen)
-        if not self._send(request, Token(token, scored)):
+        if not request.send(Token(token, scored)):
             self._free(index)
             return None
         if not search.done and request.deadline is not None and self.clock() > request.deadline:
@@ -479,7 +385,7 @@ class Engine:
             self._free(index)
             self.drafts_proposed += search.proposed
             self.drafts_accepted += search.accepted
-            self._send(request, Finished(search.reasons[0], len(request.prompt), len(row.generated)))
+            request.send(Finished(search.reasons[0], len(request.prompt), len(row.generated)))
             return None
         row.pending = [token]
         return chosen

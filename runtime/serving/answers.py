@@ -24,8 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sse_starlette import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 
-from runtime.decode.engine import Engine, Event, Failed, Finished, Prompt, Token
+from runtime.decode.engine import Engine
 from runtime.decode.logprobs import TokenLogprob
+from runtime.decode.requests import Event, Failed, Finished, Prompt, Token
 from runtime.decode.sampling import SamplingConfig
 from runtime.decode.search import GenerationConfig
 from runtime.errors import QueueFull, RequestError, ShuttingDown
