@@ -49,7 +49,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)"
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[export,dev,bench,serve,ray,lm-eval]"
-	$(PY) -m exporters.native_library
+	$(PY) -m exporters.native.library
 	touch $@
 
 test: setup

@@ -20,7 +20,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 from report import record
 
-from exporters.native_library import build
+from exporters.native.library import build
 from runtime.contract import OP_DOMAIN, OP_INPUTS, OP_NAME, OP_OUTPUTS, OP_VERSION
 
 BEGIN, END = "<!-- kernel:begin -->", "<!-- kernel:end -->"

@@ -4,7 +4,7 @@ fox-small is exported for CUDA with a static cache as fp32 (ONNX Attention over 
 fp16 and bf16 (GroupQueryAttention with the FoX bias); each export validates on CUDA against eager. Then, per
 artifact:
 - parity: the runtime on CUDA against eager CUDA torch's generate() on a left-padded batch, greedy, with the
-  export's rule (exporters/validate.py: tokens until a near-tie, logits within the dtype's tolerance);
+  export's rule (exporters/checks/validate.py: tokens until a near-tie, logits within the dtype's tolerance);
 - addresses: every in-place key, value and gate buffer keeps its device address across steps and calls;
 - speed: decode tokens/s at batch 1 of the runtime and of eager CUDA torch, in interleaved rounds (medians),
   and the runtime's step time against the time to read the step's bytes (weights and the filled cache) at
@@ -29,10 +29,11 @@ import torch
 from run import RESULTS, machine, spread
 from worker import generate_runner, prompts
 
-from exporters.export import DTYPES, ExportOptions, export_artifact
-from exporters.lowering import TORCH_DTYPES
-from exporters.references import eager_generate
-from exporters.validate import greedy_disagreement
+from exporters.checks.references import eager_generate
+from exporters.checks.validate import greedy_disagreement
+from exporters.pipeline.export import export_artifact
+from exporters.pipeline.lowering import TORCH_DTYPES
+from exporters.pipeline.options import DTYPES, ExportOptions
 from kvg_export.presets import load_model
 from runtime.artifact import SessionOptions, read_manifest
 from runtime.cache.device_cache import DeviceCache

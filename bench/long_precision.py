@@ -23,7 +23,8 @@ import onnxruntime as ort
 import torch
 from report import record
 
-from exporters.export import ExportOptions, export_artifact
+from exporters.pipeline.export import export_artifact
+from exporters.pipeline.options import ExportOptions
 from kvg_export import FoxConfig, FoxForCausalLM
 from runtime.artifact import read_manifest, session_options
 

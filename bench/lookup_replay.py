@@ -26,7 +26,7 @@ from report import record
 from run import artifact, machine
 from speculative import LOOKUP, MODULES, PRESETS, held_out_prompt
 
-from exporters.export import AS_CONFIG
+from exporters.pipeline.options import AS_CONFIG
 from runtime.artifact import SessionOptions
 from runtime.decode.generator import GenerationConfig, Generator
 from runtime.decode.search import adapted_budget

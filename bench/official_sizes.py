@@ -20,7 +20,7 @@ import peers
 from report import record
 from run import ARTIFACTS, Worker, interleaved_runs, machine, ratio, summary
 
-from exporters.preflight import parameters
+from exporters.pipeline.preflight import parameters
 from kvg_export.presets import resolve_checkpoint
 
 BEGIN, END = "<!-- sizes:begin -->", "<!-- sizes:end -->"

@@ -7,7 +7,7 @@ kernel's fixed work, which differs by kernel far more than node counts suggest. 
 one-node session with the same inputs every call; each figure is its fastest of `--rounds` interleaved
 rounds of 500 calls (the machine's noise only ever adds time), less the same for a Neg of one float per
 head, the cost of a call itself. Used to choose between equivalent forms of the graph (see
-exporters/passes/lean_gates.py).
+exporters/graph/passes/lean_gates.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from exporters.passes.in_place_scatter import scatter_in_place
+from exporters.graph.passes.in_place_scatter import scatter_in_place
 
 CALLS = 500
 HEAD_SIZE = 64  # fox-small's (hidden 512 over 8 heads)

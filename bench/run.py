@@ -153,7 +153,7 @@ def settle(pid: int) -> None:
 def _current_library(folder: Path) -> bool:
     """Whether a fused artifact carries the operator as this checkout builds it (else it is exported anew, so that a
     benchmark never times an old kernel)."""
-    from exporters.native_library import LIBRARY_NAME, build
+    from exporters.native.library import LIBRARY_NAME, build
 
     carried = folder / LIBRARY_NAME
     return carried.is_file() and filecmp.cmp(carried, build(), shallow=False)
@@ -174,11 +174,12 @@ def artifact(
     """An exported artifact for the benchmark, made once and kept in bench/.artifacts. A quantized one
     (`quantize` "int8", "int4", "int4-sym" or "int4-hqq") is judged as any quantized export is, against the default
     thresholds; a random-weight preset's on perplexity alone, as its top-1 ranking is noise. `prune`: the log
-    pruning tolerance the runtime prunes at (exporters.export's AS_CONFIG: the model config's, as `make export`
+    pruning tolerance the runtime prunes at (exporters.pipeline.export's AS_CONFIG: the model config's, as `make export`
     prunes; None: it keeps every key, whatever the model's config asks)."""
-    from exporters.evaluate import Thresholds
-    from exporters.export import AS_CONFIG, QUALITY_THRESHOLDS, ExportOptions, QualityOptions, export_artifact
-    from exporters.quantization import BITS, Quantization
+    from exporters.evaluation.evaluate import Thresholds
+    from exporters.pipeline.export import QUALITY_THRESHOLDS, export_artifact
+    from exporters.pipeline.options import AS_CONFIG, ExportOptions, QualityOptions
+    from exporters.quantization.settings import BITS, Quantization
     from kvg_export.presets import preset_folder
     from runtime.artifact import is_artifact
 

@@ -38,7 +38,7 @@ from report import publish
 from run import HERE, RESULTS, Worker, artifact, machine
 from serve_load import concurrent, server_flags
 
-from exporters.export import AS_CONFIG
+from exporters.pipeline.options import AS_CONFIG
 from runtime.artifact import SessionOptions
 from runtime.decode.generator import GenerationConfig, Generator
 from runtime.serving.serve_process import kvg_serve

@@ -114,7 +114,8 @@ class OnnxFoxForCausalLM(PreTrainedModel, GenerationMixin):
         attention window of a static cache), the cache (a new one when None) and the new tokens' slots. A longer
         input runs in chunks of PREFILL_CHUNK tokens, as the eager model and the runtime prefill, so no run holds
         more than a chunk's attention terms. `logits_to_keep` n > 0 (generate() passes 1) returns the last n
-        positions' logits only, and the graph computes no others where it can (see exporters/passes/last_logits.py).
+        positions' logits only, and the graph computes no others where it can (see
+        exporters/graph/passes/last_logits.py).
         Tokens a crop left to feed again (see `GatedCache.crop`) go first, and their logits are not returned."""
         batch, seq = input_ids.shape
         cache = past_key_values if past_key_values is not None else self.new_cache(batch)

@@ -103,7 +103,7 @@ def attention_of(manifest: dict) -> str:
 
 
 def window_kind(manifest: dict) -> str:
-    """Where the graph takes window_offsets (exporters/passes/window_offsets.py): each head's own window ("head"),
+    """Where the graph takes window_offsets (exporters/graph/passes/window_offsets.py): each head's own window ("head"),
     or each layer's in an artifact exported before heads had theirs ("layer"); else one window for all ("one")."""
     offsets = next((e for e in manifest.get("optional_inputs", []) if e["name"] == WINDOW_OFFSETS), None)
     return "one" if offsets is None else "head" if len(offsets["axes"]) == 2 else "layer"
@@ -260,7 +260,7 @@ class Artifact:
 
     def shift_states(self) -> dict[str, str]:
         """Each shift state's past input -> the output of its value after each token of a run, where the graph gives
-        them (a fused FoX-Pro graph, exporters/passes/shift_states.py); else empty."""
+        them (a fused FoX-Pro graph, exporters/graph/passes/shift_states.py); else empty."""
         outputs = {e["name"] for e in self.manifest["outputs"]}
         named = {past: SHIFT_STATES_TEMPLATE.format(layer=layer, field=field)
                  for past in self.past_names() for _, layer, field in [past.rsplit(".", 2)]}  # fmt: skip
@@ -276,7 +276,7 @@ class Artifact:
 
     @property
     def keeps_logits(self) -> bool:
-        """Whether the graph takes `logits_to_keep` (exporters/passes/last_logits.py): a prefill's logits can then
+        """Whether the graph takes `logits_to_keep` (exporters/graph/passes/last_logits.py): a prefill's logits can then
         be its last position's alone."""
         return self.takes(LOGITS_TO_KEEP)
 
@@ -285,7 +285,8 @@ class Artifact:
 
     def folds(self, present: str) -> bool:
         """Whether output `present` is a key or value buffer that a run whose layer's heads are staggered gives
-        with its heads folded into rows, `[batch * kv_heads, 1, length, head_dim]` (exporters/passes/window_offsets.py):
+        with its heads folded into rows, `[batch * kv_heads, 1, length, head_dim]`
+        (exporters/graph/passes/window_offsets.py):
         the past's buffer is then bound to it in that shape."""
         entry = next(e for e in self.manifest["outputs"] if e["name"] == present)
         return entry["axes"][0] == ROWS_AXIS

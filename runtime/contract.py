@@ -26,7 +26,7 @@ SHIFT_FIELDS = ("key_shift", "value_shift")  # FoX-Pro's token-shift states: [ba
 CACHE_FIELDS = ("key", "value", "gate", *SHIFT_FIELDS)  # in the order of kvg_export's TENSOR_FIELDS
 # A fused FoX-Pro graph's outputs besides the contract's: each new token's shift state `[batch, seq, width]`, so that
 # a speculative run that keeps its first tokens only keeps the state after the last of them
-# (exporters/passes/shift_states.py); which ones a graph gives: `CacheLayout.each_token`, from `operator_shifts`
+# (exporters/graph/passes/shift_states.py); which ones a graph gives: `CacheLayout.each_token`, from `operator_shifts`
 SHIFT_STATES_TEMPLATE = "shift_states.{layer}.{field}"
 
 # Axis names the manifest gives sizes that vary
@@ -129,7 +129,8 @@ def cache_shape(config, field: str, batch: int, length: int) -> tuple[int, ...]:
 
 
 def cache_layout(config, static: bool, attention: str = "standard") -> CacheLayout:
-    """The layout of a FoX config's graph attending through `attention` (exporters/export.py's kinds): key, value and
+    """The layout of a FoX config's graph attending through `attention` (exporters/pipeline/export.py's kinds): key,
+    value and
     gate always; the shift states its options ask for; and a fused graph's each-token states of the shifts its
     operator does (`operator_shifts`)."""
     shifts = [f for f, on in (("key_shift", config.use_k_shift), ("value_shift", config.use_v_shift)) if on]

@@ -8,8 +8,9 @@ import pytest
 import torch
 from filelock import FileLock
 
-from exporters.export import ExportOptions, check_options, export_artifact
-from exporters.native_library import available
+from exporters.native.library import available
+from exporters.pipeline.export import export_artifact
+from exporters.pipeline.options import ExportOptions, check_options
 
 STATIC_LENGTH = 96  # room for a 16-token prompt and 64 new tokens, and for the export's own validation
 # What `auto` picks for fp32 on the CPU: the fused operator where its library builds here, else GroupQueryAttention

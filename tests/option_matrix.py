@@ -175,9 +175,10 @@ def check_row(row: dict, folder: Path, seed: int, asked: str | None = None) -> N
     import onnx
     from conftest import STATIC_LENGTH
 
-    from exporters.export import ExportOptions, export_artifact
-    from exporters.references import eager_generate
-    from exporters.validate import greedy_disagreement
+    from exporters.checks.references import eager_generate
+    from exporters.checks.validate import greedy_disagreement
+    from exporters.pipeline.export import export_artifact
+    from exporters.pipeline.options import ExportOptions
     from kvg_export.presets import load_model
     from runtime.artifact import SessionOptions
     from runtime.decode.generator import GenerationConfig, Generator

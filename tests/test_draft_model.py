@@ -15,7 +15,7 @@ from conftest import export_here
 from scipy.stats import chi2
 from test_speculative import CPU, KINDS, NEW, prompts
 
-from exporters.export import ExportOptions
+from exporters.pipeline.options import ExportOptions
 from kvg_export.presets import load_model
 from runtime.cli import generate as cli
 from runtime.decode.generator import GenerationConfig, Generator

@@ -9,8 +9,8 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from exporters.eval_cli import main
-from exporters.evaluate import (
+from exporters.evaluation.cli import main
+from exporters.evaluation.evaluate import (
     Band,
     EvalError,
     Evaluation,

@@ -10,9 +10,11 @@ import pytest
 import torch
 from conftest import CPU_FP32_ATTENTION, STATIC_LENGTH
 
-from exporters import validate, weights_file
-from exporters.cli import main
-from exporters.export import ExportError, ExportOptions, check_options, export_artifact
+from exporters import weights_file
+from exporters.checks import validate
+from exporters.pipeline.cli import main
+from exporters.pipeline.export import export_artifact
+from exporters.pipeline.options import ExportError, ExportOptions, check_options
 from kvg_export.presets import load_model
 from runtime.artifact import session_options
 from runtime.contract import MANIFEST_NAME

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from exporters.export import ExportOptions, export_artifact
+from exporters.pipeline.export import export_artifact
+from exporters.pipeline.options import ExportOptions
 from kvg_export import FoxConfig, FoxForCausalLM
 from kvg_export.presets import load_model
 from runtime.artifact import SessionOptions

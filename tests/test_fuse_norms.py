@@ -6,7 +6,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
-from exporters.passes.fuse_norms import fusable_head_norms, fuse_residual_norms
+from exporters.graph.passes.fuse_norms import fusable_head_norms, fuse_residual_norms
 
 EPS = 1e-6
 HIDDEN = 16

@@ -4,7 +4,7 @@ import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 
-from exporters.passes.fuse_projections import fuse_projections
+from exporters.graph.passes.fuse_projections import fuse_projections
 
 
 def graph_with_projections(weights: dict[str, np.ndarray], outputs_as_graph_outputs=()) -> ir.Model:

@@ -12,7 +12,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from exporters.native_library import SOURCE, NativeUnavailable, build, library_version, manifest_entry
+from exporters.native.library import SOURCE, NativeUnavailable, build, library_version, manifest_entry
 from runtime.contract import (
     OP_DOMAIN,
     OP_INPUTS,

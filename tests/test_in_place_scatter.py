@@ -7,7 +7,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
-from exporters.passes.in_place_scatter import scatter_in_place
+from exporters.graph.passes.in_place_scatter import scatter_in_place
 
 BATCH, HEADS = 2, 3
 

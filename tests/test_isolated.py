@@ -1,4 +1,5 @@
-"""exporters.isolated: a function run in a spawned process answers, logs and fails as if it ran here; the exporter's
+"""exporters.pipeline.isolated: a function run in a spawned process answers, logs and fails as if it ran here; the
+exporter's
 own process never imports torch, whose half of the export runs in a process of its own."""
 
 import importlib.util
@@ -9,7 +10,7 @@ import sys
 
 import pytest
 
-from exporters.isolated import IsolatedError, run_isolated
+from exporters.pipeline.isolated import IsolatedError, run_isolated
 
 
 def doubled(value, log):
@@ -61,7 +62,7 @@ def test_the_exporting_process_never_imports_torch(tmp_path):
     onnxruntime's."""
     script = (
         "import sys\n"
-        "from exporters.cli import main\n"
+        "from exporters.pipeline.cli import main\n"
         f"code = main(['fox-tiny', '--out', {str(tmp_path / 'out')!r}])\n"
         "assert 'torch' not in sys.modules, 'the exporting process imported torch'\n"
         "sys.exit(code)\n"

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from runtime import contract
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,25 +45,29 @@ def test_runtime_modules_import_neither_the_exporter_nor_the_model():
     assert imported == set()
 
 
-# The rooms of runtime/, each above those before it: a module imports runtime modules of its own room and of the
-# rooms before it only ("" holds the modules every room stands on: the contract, the errors, the artifact)
-RUNTIME_ROOMS = ("", "text", "structured", "cache", "decode", "speculative", "serving", "cli")
+# The rooms of each package, each above those before it: a module imports modules of its own room and of the rooms
+# before it only ("" holds the modules every room stands on: for runtime/ the contract, the errors and the artifact)
+ROOMS = {
+    "runtime": ("", "text", "structured", "cache", "decode", "speculative", "serving", "cli"),
+    "exporters": ("", "graph", "checks", "quantization", "native", "evaluation", "pipeline", "optimum_register"),
+}
 
 
-def _room(module: str) -> str:
-    """The room of a dotted runtime module, or of what a module imports: "" for the top."""
+def _room(module: str, rooms: tuple[str, ...]) -> str:
+    """The room of a dotted module name, or of what a module imports: "" for the package's top."""
     parts = module.split(".")
-    return parts[1] if len(parts) > 1 and parts[1] in RUNTIME_ROOMS else ""
+    return parts[1] if len(parts) > 1 and parts[1] in rooms else ""
 
 
-def test_runtime_rooms_import_only_the_rooms_below_them():
-    upward = []
-    for path, tree in _modules("runtime").items():
+@pytest.mark.parametrize("package", sorted(ROOMS))
+def test_rooms_import_only_the_rooms_below_them(package):
+    rooms, upward = ROOMS[package], []
+    for path, tree in _modules(package).items():
         parts = path.relative_to(ROOT).with_suffix("").parts
-        assert len(parts) <= 2 or parts[1] in RUNTIME_ROOMS, f"{path.relative_to(ROOT)} is in no room of RUNTIME_ROOMS"
-        own = _room(".".join(parts))
+        assert len(parts) <= 2 or parts[1] in rooms, f"{path.relative_to(ROOT)} is in no room of ROOMS[{package!r}]"
+        own = _room(".".join(parts), rooms)
         for name in _imported(tree):
-            if name.split(".")[0] == "runtime" and RUNTIME_ROOMS.index(_room(name)) > RUNTIME_ROOMS.index(own):
+            if name.split(".")[0] == package and rooms.index(_room(name, rooms)) > rooms.index(own):
                 upward.append(f"{path.relative_to(ROOT)} ({own or 'top'}) imports {name}")
     assert upward == []
 

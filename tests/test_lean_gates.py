@@ -5,7 +5,7 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
-from exporters.passes.lean_gates import lean_gates
+from exporters.graph.passes.lean_gates import lean_gates
 
 BATCH, HEADS, BUFFER = 2, 3, 9
 FLOAT = ir.DataType.FLOAT

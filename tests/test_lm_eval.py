@@ -14,7 +14,7 @@ import pytest
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 
-from exporters.lm_eval_cli import eager_model, evaluate, serve_flags, server_model, tokenizer_folder
+from exporters.evaluation.lm_eval_cli import eager_model, evaluate, serve_flags, server_model, tokenizer_folder
 from kvg_export.presets import MODELS_DIR
 from runtime.artifact import read_manifest
 from runtime.serving.serve_process import kvg_serve

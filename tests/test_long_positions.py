@@ -11,8 +11,8 @@ import pytest
 import torch
 from conftest import export_here
 
-from exporters.export import ExportOptions
-from exporters.validate import TOLERANCES
+from exporters.checks.validate import TOLERANCES
+from exporters.pipeline.options import ExportOptions
 from kvg_export import DynamicCache
 from kvg_export.cache_layers import DynamicLayer
 from kvg_export.presets import load_model

@@ -1,4 +1,5 @@
-"""exporters/manifest.py: kvg_config.json names every graph input and output as the graph has it and as the contract
+"""exporters/checks/manifest.py: kvg_config.json names every graph input and output as the graph has it and as the
+contract
 spells it, says what the cache holds, and a graph that differs from it is refused."""
 
 import copy
@@ -10,8 +11,8 @@ import onnx
 import pytest
 from conftest import STATIC_LENGTH
 
-from exporters.export import DEFAULT_MAX_BATCH
-from exporters.manifest import build_manifest, check_graph_matches, source_digest
+from exporters.checks.manifest import build_manifest, check_graph_matches, source_digest
+from exporters.pipeline.options import DEFAULT_MAX_BATCH
 from kvg_export import FoxConfig
 from runtime.contract import cache_layout
 

@@ -6,10 +6,10 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from exporters.export import ONNX_ATTENTION_OPSET
-from exporters.onnx_export import export_program, lower_to_onnx
-from exporters.passes import Choices
-from exporters.wrappers import ExportableFox
+from exporters.graph.onnx_export import export_program, lower_to_onnx
+from exporters.graph.passes import Choices
+from exporters.graph.wrappers import ExportableFox
+from exporters.pipeline.options import ONNX_ATTENTION_OPSET
 from kvg_export import DynamicCache, FoxConfig, FoxForCausalLM
 from runtime.contract import DEFAULT_OPSET, cache_layout
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from exporters.references import eager_generate
-from exporters.validate import TOLERANCES, difference
+from exporters.checks.references import eager_generate
+from exporters.checks.validate import TOLERANCES, difference
 from kvg_export.cache import GatedCache
 from kvg_export.onnx_model import REFEED_ALONE, OnnxFoxForCausalLM
 from kvg_export.presets import load_model

@@ -8,7 +8,7 @@ import pytest
 from conftest import CPU_FP32_ATTENTION
 from option_matrix import OPTIONS, ROWS, WHOLE, check_row, config_of, row_id, write_checkpoint
 
-from exporters.native_library import available
+from exporters.native.library import available
 
 HALF = [(index, row) for index, row in enumerate(ROWS) if row["attention"] in ("fused", "gqa")]
 
@@ -54,8 +54,8 @@ def test_a_rope_fox_pro_without_a_forget_gate_exports_with_the_default_attention
 def test_the_graph_refuses_shift_state_outputs_its_operator_does_not_give(tmp_path):
     """The lowering exposes the shift-state outputs the layout names, or refuses: asked for a RoPE model's, which its
     graph shifts around the operator, it names them rather than write a graph that differs from its manifest."""
-    from exporters.onnx_export import export_program, lower_to_onnx
-    from exporters.passes import Choices
+    from exporters.graph.onnx_export import export_program, lower_to_onnx
+    from exporters.graph.passes import Choices
     from kvg_export.presets import load_model
     from runtime.contract import DEFAULT_OPSET, cache_layout
 

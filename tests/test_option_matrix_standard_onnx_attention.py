@@ -5,7 +5,7 @@ it."""
 import pytest
 from option_matrix import ROWS, check_row, row_id
 
-from exporters.native_library import available
+from exporters.native.library import available
 
 HALF = [(index, row) for index, row in enumerate(ROWS) if row["attention"] in ("standard", "onnx-attention")]
 

@@ -1,4 +1,4 @@
-"""A fused graph's attention node reads its layer's joined projection whole (exporters/passes/pack_attention.py):
+"""A fused graph's attention node reads its layer's joined projection whole (exporters/graph/passes/pack_attention.py):
 no Split cuts the projection and no Add biases the forget gate, and the graph still computes eager PyTorch's
 logits."""
 
@@ -8,9 +8,9 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from exporters.native_library import available, build
-from exporters.onnx_export import export_program, lower_to_onnx
-from exporters.passes import PASSES, Choices
+from exporters.graph.onnx_export import export_program, lower_to_onnx
+from exporters.graph.passes import PASSES, Choices
+from exporters.native.library import available, build
 from kvg_export import FoxConfig, FoxForCausalLM
 from runtime.contract import DEFAULT_OPSET, OP_NAME, cache_layout
 
@@ -53,7 +53,7 @@ def test_the_attention_reads_the_joined_projection_and_its_bias(fused):
 
 
 def test_the_passes_report_what_they_did_by_name_in_their_order(fused):
-    """The lowering's counts (exporters/passes): every pass's, in `PASSES` order, and the packing's and the
+    """The lowering's counts (exporters/graph/passes): every pass's, in `PASSES` order, and the packing's and the
     projections' as many as the graph shows."""
     model, path, counts = fused
     graph = onnx.load(str(path)).graph

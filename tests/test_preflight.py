@@ -11,9 +11,10 @@ from collections import namedtuple
 import pytest
 from safetensors.torch import load_file
 
-from exporters import export, preflight
-from exporters.export import ExportError, ExportOptions, QualityOptions, export_artifact
-from exporters.quantization import Quantization
+from exporters.pipeline import export, preflight
+from exporters.pipeline.export import export_artifact
+from exporters.pipeline.options import ExportError, ExportOptions, QualityOptions
+from exporters.quantization.settings import Quantization
 from kvg_export.presets import resolve_checkpoint
 
 
@@ -23,7 +24,7 @@ def never_loaded(monkeypatch):
     run_isolated = export.run_isolated
 
     def refuse_the_torch_half(target, *args, **kwargs):
-        if target == "exporters.lowering:lower":
+        if target == "exporters.pipeline.lowering:lower":
             raise AssertionError("the model was loaded before the export was refused")
         return run_isolated(target, *args, **kwargs)
 
@@ -41,8 +42,8 @@ def untokenized(tmp_path):
 
 def test_a_quantized_export_of_a_folder_without_a_tokenizer_exits_2_before_tracing(untokenized, tmp_path):
     started = time.monotonic()
-    command = [sys.executable, "-m", "exporters.cli", str(untokenized), "--out", str(tmp_path / "out"), "--quantize",
-               "int4"]  # fmt: skip
+    command = [sys.executable, "-m", "exporters.pipeline.cli", str(untokenized), "--out", str(tmp_path / "out"),
+               "--quantize", "int4"]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "has no tokenizer files" in done.stderr and "trace" not in done.stdout

@@ -4,8 +4,8 @@ nothing for a stage that ends at once."""
 import re
 import time
 
+from exporters.pipeline.stages import stage
 from exporters.progress import Progress
-from exporters.stages import stage
 
 
 def wait_for(lines: list[str], pattern: str) -> str:

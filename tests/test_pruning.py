@@ -11,8 +11,8 @@ import torch
 from conftest import export_here
 from scripted_drafts import Scripted
 
-from exporters.cli import main as export_main
-from exporters.export import ExportOptions
+from exporters.pipeline.cli import main as export_main
+from exporters.pipeline.options import ExportOptions
 from kvg_export.corpus import read_split, token_stream
 from kvg_export.fox.pruning import score_bounds
 from kvg_export.presets import load_model

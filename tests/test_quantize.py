@@ -8,8 +8,8 @@ import onnxruntime as ort
 import pytest
 
 from exporters import weights_file
-from exporters.quantization import Quantization, QuantizationError
-from exporters.quantize import quantize_graph
+from exporters.quantization.quantize import quantize_graph
+from exporters.quantization.settings import Quantization, QuantizationError
 
 K, N, BLOCK = 64, 48, 32
 NAMES = ("model.layers.0.attn.q_proj", "model.layers.0.attn.fgate_proj", "lm_head")

@@ -8,8 +8,8 @@ import pytest
 from onnxruntime.quantization import matmul_nbits_quantizer as nbits
 from test_quantize import NAMES, projections
 
-from exporters.quantization import Quantization
-from exporters.quantize import quantize_graph
+from exporters.quantization.quantize import quantize_graph
+from exporters.quantization.settings import Quantization
 from exporters.weights_file import ALIGNMENT
 
 ALIGNED_FROM = 1 << 20  # weights_file aligns every tensor over a mebibyte

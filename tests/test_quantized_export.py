@@ -9,9 +9,9 @@ import onnx
 import pytest
 from scripted_drafts import Scripted
 
-from exporters import cli
-from exporters.cache_check import check_cache
-from exporters.quantization import Quantization
+from exporters.checks.cache_check import check_cache
+from exporters.pipeline import cli
+from exporters.quantization.settings import Quantization
 from runtime.artifact import SessionOptions
 from runtime.cli import generate as generate_cli
 from runtime.decode.generator import GenerationConfig, Generator

@@ -22,9 +22,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, GPT2Tokenizer, GPT2TokenizerFast
 
 from exporters.checkpoint_tokenizer import read_tokenizer
-from exporters.evaluate import run_eager
-from exporters.export import ExportOptions, export_artifact
-from exporters.lm_eval_cli import eager_model, server_model, tokenizer_folder
+from exporters.evaluation.evaluate import run_eager
+from exporters.evaluation.lm_eval_cli import eager_model, server_model, tokenizer_folder
+from exporters.pipeline.export import export_artifact
+from exporters.pipeline.options import ExportOptions
 from kvg_export import FoxConfig, FoxForCausalLM
 from kvg_export.corpus import read_split
 from kvg_export.onnx_model import OnnxFoxForCausalLM

@@ -13,7 +13,7 @@ import torch
 from conftest import CPU_FP32_ATTENTION
 
 import runtime.decode.generator as generator_module
-from exporters.validate import TOLERANCES
+from exporters.checks.validate import TOLERANCES
 from kvg_export.presets import load_model
 from runtime.artifact import SessionOptions
 from runtime.cache.device_cache import DeviceCache

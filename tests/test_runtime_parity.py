@@ -8,9 +8,9 @@ import pytest
 import torch
 from conftest import CPU_FP32_ATTENTION
 
-from exporters.lowering import TORCH_DTYPES
-from exporters.references import eager_generate
-from exporters.validate import TOLERANCES, greedy_disagreement
+from exporters.checks.references import eager_generate
+from exporters.checks.validate import TOLERANCES, greedy_disagreement
+from exporters.pipeline.lowering import TORCH_DTYPES
 from kvg_export.presets import load_model
 from runtime.artifact import SessionOptions
 from runtime.cache.device_cache import RESERVED_NEW_TOKENS, DeviceCache

@@ -8,7 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from exporters.stdlib_tasks import CHOICES, LINES, PASSAGE_LINES, PASSAGES, complete_line, next_line, passages
+from exporters.evaluation.stdlib_tasks import (
+    CHOICES,
+    LINES,
+    PASSAGE_LINES,
+    PASSAGES,
+    complete_line,
+    next_line,
+    passages,
+)
 from kvg_export.corpus import read_split
 
 REPO = Path(__file__).resolve().parent.parent
@@ -23,7 +31,7 @@ def documents(make) -> list[dict]:
 def test_the_documents_are_the_same_in_every_process(make):
     """A score is comparable across runs only if the documents are: a process with another hash seed (which orders
     sets and dicts of strings otherwise) draws the same ones, and there are as many as the task says."""
-    script = (f"import json; from exporters.stdlib_tasks import {make.__name__}; "
+    script = (f"import json; from exporters.evaluation.stdlib_tasks import {make.__name__}; "
               f"print(json.dumps({make.__name__}()['test'].to_list()))")  # fmt: skip
     other = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": "12345"})  # fmt: skip

@@ -1,4 +1,5 @@
-"""exporters/translations.py: each custom lowering, exported alone through torch.onnx and run by onnxruntime, against
+"""exporters/graph/translations.py: each custom lowering, exported alone through torch.onnx and run by onnxruntime,
+against
 eager PyTorch (or float64) on random inputs, and the nodes it emits."""
 
 import inspect
@@ -9,7 +10,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from exporters.translations import (  # registers the kvg ops too
+from exporters.graph.translations import (  # registers the kvg ops too
     lower_decay_after,
     lower_fox_attention,
     lower_softplus,

@@ -1,4 +1,4 @@
-"""exporters/validate.py: an export is judged against eager PyTorch step by step, so a graph or run that differs
+"""exporters/checks/validate.py: an export is judged against eager PyTorch step by step, so a graph or run that differs
 fails, with the step and the difference named, and a faithful one passes."""
 
 import re
@@ -9,9 +9,10 @@ import onnxruntime as ort
 import pytest
 from conftest import CPU_FP32_ATTENTION
 
-from exporters import references, validate
-from exporters.export import ExportOptions, export_artifact
-from exporters.onnx_export import export_program
+from exporters.checks import references, validate
+from exporters.graph.onnx_export import export_program
+from exporters.pipeline.export import export_artifact
+from exporters.pipeline.options import ExportOptions
 from kvg_export.presets import load_model
 from runtime.artifact import session_options
 from runtime.contract import cache_layout
@@ -144,7 +145,8 @@ def _nodes(graph: onnx.GraphProto):
 
 
 def test_a_pruned_export_is_validated_with_its_heads_staggered(tmp_path):
-    """Once pruning staggers a layer's heads, a pruned graph runs other branches (exporters/translations.py): a masked
+    """Once pruning staggers a layer's heads, a pruned graph runs other branches (exporters/graph/translations.py): a
+    masked
     step, an unmasked step and a prompt's chunk. The validation runs each against eager, so an error planted in
     those branches alone (the folded attention's scale, 1% off) fails it at the first step with the heads staggered,
     while every step with the heads together still passes."""

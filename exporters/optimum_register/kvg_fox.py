@@ -33,7 +33,8 @@ def is_fox(model: str) -> bool:
 
 def export_fox(args) -> int:
     """kvg-export with optimum-cli's arguments; its errors are printed as kvg-export prints them."""
-    from exporters.export import ExportError, ExportOptions, export_artifact
+    from exporters.pipeline.export import export_artifact
+    from exporters.pipeline.options import ExportError, ExportOptions
 
     if args.task not in TASKS:
         return _refuse(

@@ -91,7 +91,8 @@ def bind_rows(
 ) -> None:  # fmt: skip
     """Bind rows [first, first + count) of `value` (batch its leading axis) as input or output `name` of a
     binding (`bind`: its bind_input or bind_output), by address: a view, nothing copied. `folded`: as the
-    same memory with its heads folded into the rows, `[count * heads, 1, ...]` (exporters/passes/window_offsets.py)."""
+    same memory with its heads folded into the rows, `[count * heads, 1, ...]`
+    (exporters/graph/passes/window_offsets.py)."""
     shape = value.shape()
     row_bytes = int(np.prod(shape[1:])) * item_size(dtype)
     bound = [count * shape[1], 1, *shape[2:]] if folded else [count, *shape[1:]]

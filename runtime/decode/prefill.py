@@ -29,7 +29,7 @@ def bind_chunk(
     """Bind a prompt chunk's inputs (ids `[batch, new]` after `filled` slots, `mask` `[batch, filled + new]`, the
     window of slots attended)
     and its logits output, in place of the last run's; `last_only`: its last position's logits alone, where the
-    graph can spare the others (exporters/passes/last_logits.py). The cache is the caller's to bind."""
+    graph can spare the others (exporters/graph/passes/last_logits.py). The cache is the caller's to bind."""
     binding.clear_binding_inputs()
     binding.clear_binding_outputs()
     binding.bind_cpu_input(INPUT_IDS, np.ascontiguousarray(ids))

@@ -41,9 +41,9 @@ def graph_io(
     config, layout: CacheLayout, dtype: str, max_cache_len: int | None, folded: bool = False
 ) -> tuple[list, list]:
     """The graph's inputs and outputs as the contract defines them: name, dtype and axes (names or sizes);
-    `folded`: a run may fold the present keys' and values' heads into rows (exporters/passes/window_offsets.py).
+    `folded`: a run may fold the present keys' and values' heads into rows (exporters/graph/passes/window_offsets.py).
     The layout, which the graph's lowering also follows, says which outputs there are: each token's shift states
-    follow the presents where it names them (exporters/passes/shift_states.py)."""
+    follow the presents where it names them (exporters/graph/passes/shift_states.py)."""
     heads, kv_heads, head_dim = config.num_heads, config.kv_heads, config.head_dim
     length_in, length_out = (max_cache_len, max_cache_len) if layout.static else (io.PAST_AXIS, io.TOTAL_AXIS)
     batch = io.BATCH_AXIS
@@ -80,11 +80,11 @@ def build_manifest(
     """The manifest of a lowered graph, all but what is learned of it afterwards (`with_results`).
 
     `attention`: "standard" (ONNX MatMul and Softmax, any provider), "fused" (the fused FoX operator, CPU, whose
-    library the artifact carries: `custom_ops`, exporters/native_library.py's manifest_entry), "gqa" (onnxruntime's
+    library the artifact carries: `custom_ops`, exporters/native/library.py's manifest_entry), "gqa" (onnxruntime's
     GroupQueryAttention, which cannot take a chunk of a prompt after the first for batch > 1) or "onnx-attention".
     `text`: how the tokenizer's text is escaped and what comes first (runtime/text/tokenizer.py's TextRules);
     `tokenizer_special_ids`: the special tokens the tokenizer names, which stand in for those the model's config
-    leaves out; `pruning`: the tolerance and score bounds the runtime prunes with (exporters/lowering.py), None
+    leaves out; `pruning`: the tolerance and score bounds the runtime prunes with (exporters/pipeline/lowering.py), None
     for a cache it cannot prune."""
     inputs, outputs = graph_io(config, layout, dtype, max_cache_len, folded=window_offsets and attention != "fused")
     return {
@@ -115,7 +115,8 @@ def build_manifest(
         "names": {"past": io.PAST_TEMPLATE, "present": io.PRESENT_TEMPLATE, "fields": list(io.CACHE_FIELDS)},
         "inputs": inputs,
         # inputs with a default (ONNX initializers that are also inputs), fed only to change it: in a pruned export
-        # window_offsets, zeros (exporters/passes/window_offsets.py, which also folds its present keys and values);
+        # window_offsets, zeros (exporters/graph/passes/window_offsets.py, which also folds its present keys and
+        # values);
         # logits_to_keep, 0 (every position's logits) unless fed n > 0 (the last n)
         "optional_inputs": [_io_entry(io.WINDOW_OFFSETS, "int64", [config.num_hidden_layers, config.kv_heads])]
         * window_offsets
@@ -124,7 +125,8 @@ def build_manifest(
         "special_tokens": _special_tokens(config, tokenizer_special_ids or {}),
         "text": asdict(text or TextRules()),
         "files": files,
-        "quantization": None,  # with_results records a quantized export's settings here (exporters/quantize.py)
+        # with_results records a quantized export's settings here (exporters/quantization/quantize.py)
+        "quantization": None,
         "pruning": pruning,
         "validation": None,  # with_results records it once the graph is validated
     } | ({"custom_ops": custom_ops} if custom_ops else {})

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from exporters.evaluate import Evaluation
+from exporters.evaluation.evaluate import Evaluation
 from kvg_export.folders import write_whole
 
 

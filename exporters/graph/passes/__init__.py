@@ -12,22 +12,22 @@ from dataclasses import dataclass
 
 import onnx_ir as ir
 
-from exporters.passes.fuse_norms import fusable_head_norms, fuse_residual_norms
-from exporters.passes.fuse_projections import fuse_projections
-from exporters.passes.in_place_scatter import scatter_in_place
-from exporters.passes.last_logits import keep_last_logits
-from exporters.passes.lean_gates import lean_gates
-from exporters.passes.names import name_by_module, unique_names
-from exporters.passes.pack_attention import pack_attention_inputs
-from exporters.passes.shift_states import expose_shift_states
-from exporters.passes.window_offsets import default_to_zeros, name_present_axes
+from exporters.graph.passes.fuse_norms import fusable_head_norms, fuse_residual_norms
+from exporters.graph.passes.fuse_projections import fuse_projections
+from exporters.graph.passes.in_place_scatter import scatter_in_place
+from exporters.graph.passes.last_logits import keep_last_logits
+from exporters.graph.passes.lean_gates import lean_gates
+from exporters.graph.passes.names import name_by_module, unique_names
+from exporters.graph.passes.pack_attention import pack_attention_inputs
+from exporters.graph.passes.shift_states import expose_shift_states
+from exporters.graph.passes.window_offsets import default_to_zeros, name_present_axes
 
 
 @dataclass(frozen=True)
 class Choices:
     """What of the export the passes depend on."""
 
-    attention: str  # how attention was lowered (exporters/translations.py)
+    attention: str  # how attention was lowered (exporters/graph/translations.py)
     window_offsets: bool  # whether the graph takes forget-gate pruning's window offsets
     keep_unjoined: Callable[[str], bool] = lambda module: False  # modules whose projections are not joined
     # the each-token shift-state outputs the graph gives (runtime/contract.py's CacheLayout.shift_state_names())

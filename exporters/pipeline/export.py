@@ -5,8 +5,8 @@ validation passes, so a failed or interrupted export never leaves a half-written
 replaces an old artifact only with a good new one.
 
 This process never imports torch. Loading, tracing and lowering, and eager's reference outputs, run in a
-process of their own (exporters/lowering.py, through exporters/isolated.py) that ends before onnxruntime checks,
-validates, quantizes and judges the graph here: the two halves' memory never adds up.
+process of their own (exporters/pipeline/lowering.py, through exporters/pipeline/isolated.py) that ends before
+onnxruntime checks, validates, quantizes and judges the graph here: the two halves' memory never adds up.
 """
 
 from __future__ import annotations
@@ -14,37 +14,32 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import onnx
 import onnxruntime as ort
 
-from exporters.cache_check import CacheCheck, check_cache
 from exporters.checkpoint_tokenizer import CheckpointTokenizer, TokenizerError, read_tokenizer
-from exporters.evaluate import EagerRun, EvalError, Evaluation, Thresholds, evaluate
-from exporters.isolated import IsolatedError, named, run_isolated
-from exporters.manifest import check_graph_matches, with_results
-from exporters.native_library import NativeUnavailable, available, build
-from exporters.preflight import PreflightError, preflight
+from exporters.checks.cache_check import CacheCheck, check_cache
+from exporters.checks.manifest import check_graph_matches, with_results
+from exporters.checks.validate import ValidationReport, validate_onnx
+from exporters.evaluation.evaluate import EagerRun, EvalError, Evaluation, Thresholds, evaluate
+from exporters.pipeline.isolated import IsolatedError, named, run_isolated
+from exporters.pipeline.options import (
+    ExportError,
+    ExportOptions,
+    check_options,
+)
+from exporters.pipeline.preflight import PreflightError, preflight
+from exporters.pipeline.stages import stage
 from exporters.progress import Progress
-from exporters.quantization import Quantization, QuantizationError
-from exporters.stages import stage
-from exporters.validate import MIN_STATIC_LENGTH, References, ValidationReport, validate_onnx
+from exporters.quantization.settings import Quantization, QuantizationError
 from kvg_export.fla_format import is_fla, official_config
 from kvg_export.folders import publish, staging_folder
 from kvg_export.presets import resolve_checkpoint
-from runtime.cache.pruning import check_tolerance
-from runtime.contract import DEFAULT_OPSET, DYNAMIC_MAX_POSITIONS, MANIFEST_NAME, held_in_place
+from runtime.contract import DEFAULT_OPSET, MANIFEST_NAME
 
-AS_CONFIG = "config"  # --log-pruning-tolerance's default: the checkpoint config's log_pruning_tolerance
-DTYPES = ("fp32", "fp16", "bf16")
-ATTENTION_KINDS = ("auto", "standard", "fused", "gqa", "onnx-attention")
-IN_PLACE_KINDS = ("fused", "gqa", "onnx-attention")  # attention ops that write keys and values into the bound buffer
-OPSETS = range(18, 25)
-ONNX_ATTENTION_OPSET = 24  # the first with TensorScatter and Attention's nonpad_kv_seqlen
-DEFAULT_MAX_CACHE_LEN = 1024
-DEFAULT_MAX_BATCH = 16
 # The checkpoint's files an artifact carries as they are: transformers reads them from the artifact folder too (a slow
 # tokenizer's vocab.json and merges.txt as well, besides the tokenizer.json the runtime reads)
 COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -53,58 +48,11 @@ REPORT_NAME = "validation.json"
 # A quantized artifact must score held-out text nearly as eager fp32 does (relative perplexity difference,
 # top-1 agreement). The trained presets measure int8 +0.02% and 99.1%, int4 +1.8% and 92% (bench/README.md).
 QUALITY_THRESHOLDS = {8: Thresholds(0.005, 0.98), 4: Thresholds(0.05, 0.90)}
-DEFAULT_QUALITY_WINDOWS = 64  # windows of 512 tokens: about 33k predicted tokens
 UNLEARNED_SHARE = 4  # eager perplexity above vocabulary / this: the model has not learned the text (random weights)
 _NO_CUDA = (
     "--provider cuda: CUDA is not available to onnxruntime here (it needs onnxruntime-gpu and an NVIDIA GPU); "
     "export on such a machine, or use --provider cpu"
 )
-
-
-class ExportError(Exception):
-    """A problem with what was asked, reported to the user as it is (no traceback)."""
-
-
-@dataclass
-class QualityOptions:
-    """How a quantized export is judged: held-out text scored by eager fp32 and by the artifact."""
-
-    thresholds: Thresholds | None = None  # None: QUALITY_THRESHOLDS for the bit width
-    windows: int | None = DEFAULT_QUALITY_WINDOWS  # None: the whole text
-    text_paths: list[Path] | None = None  # None: the stdlib corpus's test split
-
-
-@dataclass
-class ExportOptions:
-    model: str
-    out: Path
-    cache: str = "dynamic"
-    dtype: str = "fp32"
-    max_cache_len: int | None = None
-    max_batch: int = DEFAULT_MAX_BATCH
-    opset: int | None = None  # None: DEFAULT_OPSET, or ONNX_ATTENTION_OPSET for onnx-attention
-    force: bool = False
-    # The torch half (load, trace, lower; exporters/lowering.py) in a process of its own, so that its memory is
-    # returned before onnxruntime's is taken. False runs it here: quicker for many small exports in one process
-    # (the tests), which then keeps torch and what libraries hold of the model.
-    separate_process: bool = True
-    provider: str = "cpu"
-    attention: str = "auto"  # auto, standard, fused, gqa or onnx-attention (see check_options)
-    library: Path | None = None  # the fused attention operator's library, for a fused export (set by check_options)
-    log_pruning_tolerance: float | str | None = AS_CONFIG  # a number, AS_CONFIG, or None: no pruning by default
-    quantization: Quantization | None = None
-    quality: QualityOptions = field(default_factory=QualityOptions)
-
-
-@dataclass
-class Lowered:
-    """What the torch half (exporters/lowering.py) hands back: the manifest (but for what is learned of the graph
-    afterwards, exporters/manifest.py's with_results), eager's record of the validation run, and eager fp32's
-    scores on held-out text for a quantized export."""
-
-    manifest: dict
-    references: References
-    eager: EagerRun | None
 
 
 @dataclass
@@ -114,106 +62,6 @@ class ExportResult:
     report: ValidationReport
     cache_check: CacheCheck | None = None
     quality: Evaluation | None = None
-
-
-def check_options(options: ExportOptions) -> ExportOptions:
-    """Refuse what cannot work before any work is done; fill in the static default length."""
-    if options.cache not in ("dynamic", "static"):
-        raise ExportError(f"--cache must be dynamic or static, not {options.cache!r}")
-    if options.dtype not in DTYPES:
-        raise ExportError(f"--dtype must be one of {', '.join(DTYPES)}, not {options.dtype!r}")
-    if options.opset is not None and options.opset not in OPSETS:
-        raise ExportError(f"--opset {options.opset} is not supported; choose {OPSETS.start}..{OPSETS.stop - 1}")
-    if options.max_batch < 1:
-        raise ExportError(f"--max-batch must be at least 1, got {options.max_batch}")
-    limited = options.cache == "dynamic" and options.max_cache_len is not None  # a limit the runtime enforces
-    if limited and not 1 <= options.max_cache_len <= DYNAMIC_MAX_POSITIONS:
-        raise ExportError(
-            f"--max-cache-len of a dynamic cache must be 1..{DYNAMIC_MAX_POSITIONS:,} (the positions its graph is "
-            f"traced for), got {options.max_cache_len}"
-        )
-    if options.cache == "static":
-        options.max_cache_len = options.max_cache_len or DEFAULT_MAX_CACHE_LEN
-        if options.max_cache_len < MIN_STATIC_LENGTH:
-            raise ExportError(
-                f"--max-cache-len must be at least {MIN_STATIC_LENGTH} (the validation's prompt and steps)"
-            )
-    if options.provider not in ("cpu", "cuda"):
-        raise ExportError(f"--provider must be cpu or cuda, not {options.provider!r}")
-    if options.dtype == "bf16" and options.provider == "cpu":
-        raise ExportError(
-            "bf16 graphs cannot be validated on onnxruntime's CPU provider (it has no bf16 MatMul); "
-            "export bf16 on a CUDA machine with --provider cuda, or use --dtype fp16"
-        )
-    if options.quantization and options.provider != "cpu":
-        raise ExportError(
-            "a quantized export is judged on onnxruntime's CPU provider (its cache checks and held-out text); "
-            "export it with --provider cpu"
-        )
-    options.attention = _attention(options)
-    _check_pruning(options)
-    options.opset = _opset(options)
-    out = options.out
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not options.force:
-        raise ExportError(f"{out} already exists and is not empty; pass --force to replace it")
-    return options
-
-
-def _attention(options: ExportOptions) -> str:
-    """How the graph attends, by dtype and the provider it is exported for; see the --attention help.
-
-    The fused operator (exporters/native/fox_attention.cc) runs fp32 on the CPU, where its library can be built.
-    GroupQueryAttention (gqa) appends to the cache buffer in place and takes the FoX bias: onnxruntime runs
-    it on the CPU in fp32 and fp16 and on CUDA in fp16 and bf16, with no fp32 CUDA kernel. fp32 for CUDA
-    attends through the ONNX Attention op over a static buffer that TensorScatter writes in place
-    (onnx-attention); a dynamic cache there takes the standard graph, which copies the cache each step."""
-    attention, dtype, cuda = options.attention, options.dtype, options.provider == "cuda"
-    if attention not in ATTENTION_KINDS:
-        raise ExportError(f"--attention must be one of {', '.join(ATTENTION_KINDS)}, not {attention!r}")
-    if attention == "fused":
-        if dtype != "fp32" or cuda:
-            raise ExportError(
-                "--attention fused runs fp32 on onnxruntime's CPU provider; use --attention gqa for fp16, or "
-                "leave --attention out for CUDA"
-            )
-        try:
-            options.library = build()
-        except NativeUnavailable as error:
-            raise ExportError(f"--attention fused: {error}; or export with --attention gqa") from None
-        return attention
-    if attention == "auto":
-        if not cuda:
-            options.library = available() if dtype == "fp32" else None  # `make setup` said why in one line if not
-            return "gqa" if options.library is None else "fused"
-        if dtype != "fp32":
-            return "gqa"
-        return "onnx-attention" if options.cache == "static" else "standard"
-    if attention == "gqa" and dtype == "fp32" and cuda:
-        raise ExportError(
-            "--attention gqa has no fp32 kernel on CUDA (onnxruntime runs GroupQueryAttention there in fp16 and "
-            "bf16 only); use --dtype fp16, or --attention onnx-attention with --cache static"
-        )
-    if attention == "onnx-attention" and options.cache != "static":
-        raise ExportError(
-            "--attention onnx-attention writes a buffer of fixed length (TensorScatter); use it with --cache static"
-        )
-    return attention
-
-
-def _check_pruning(options: ExportOptions) -> None:
-    """A tolerance asked for must be one the runtime can prune at, with a cache it can prune."""
-    if options.log_pruning_tolerance in (None, AS_CONFIG):
-        return
-    try:
-        check_tolerance(options.log_pruning_tolerance)
-    except ValueError as error:
-        raise ExportError(f"--log-pruning-tolerance: {error}") from None
-    if not held_in_place(options.cache == "static", options.attention):
-        raise ExportError(
-            "forget-gate pruning drops slots from a cache held in place: use --cache static or --attention fused "
-            "or gqa, "
-            "or --log-pruning-tolerance none"
-        )
 
 
 def _describe_pruning(pruning: dict | None) -> str:
@@ -227,17 +75,6 @@ def _describe_pruning(pruning: dict | None) -> str:
     if tolerance is None:
         return f"off by default ({bounds}; the runtime may prune at a tolerance it is given)"
     return f"the runtime drops cached keys weighing under e^{tolerance:g} in any later query ({bounds})"
-
-
-def _opset(options: ExportOptions) -> int:
-    if options.attention != "onnx-attention":
-        return options.opset or DEFAULT_OPSET
-    if options.opset not in (None, ONNX_ATTENTION_OPSET):
-        raise ExportError(
-            f"--attention onnx-attention needs opset {ONNX_ATTENTION_OPSET} (TensorScatter, Attention with "
-            f"nonpad_kv_seqlen), not {options.opset}; leave --opset out"
-        )
-    return ONNX_ATTENTION_OPSET
 
 
 def _cuda_usable() -> bool:
@@ -299,7 +136,8 @@ ABSENT_WHEN_ISOLATED = ("sklearn",)
 
 
 def _isolated_or_here(options: ExportOptions, target: str, *args, **kwargs):
-    """`module:function`(*args) in a process of its own (exporters.isolated); without options.separate_process, here."""
+    """`module:function`(*args) in a process of its own (exporters.pipeline.isolated); without
+    options.separate_process, here."""
     if options.separate_process:
         return run_isolated(target, *args, absent=ABSENT_WHEN_ISOLATED, **kwargs)
     return named(target)(*args, **kwargs)
@@ -314,7 +152,7 @@ def _float_graph(
     held-out text (quantized only)."""
     try:
         lowered = _isolated_or_here(
-            options, "exporters.lowering:lower", options, checkpoint, tokenizer, model_path, log=log
+            options, "exporters.pipeline.lowering:lower", options, checkpoint, tokenizer, model_path, log=log
         )
     except IsolatedError as error:
         raise ExportError(f"loading, tracing and lowering the model failed: {error}") from None
@@ -413,7 +251,7 @@ def _check(model_path: Path, manifest: dict, opset: int) -> None:
 def _quantize(float_folder: Path, staging: Path, quantization: Quantization, progress: Progress) -> dict:
     # Imported here: what quantizing imports (onnx_ir, and sympy with it) would otherwise be held in this process
     # all the while the torch half runs, which is the export's peak
-    from exporters.quantize import quantize_graph
+    from exporters.quantization.quantize import quantize_graph
 
     try:
         return quantize_graph(float_folder / "model.onnx", staging / "model.onnx", quantization, progress)

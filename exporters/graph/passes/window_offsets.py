@@ -12,7 +12,7 @@ head's window (anything there would shift all of that head's scores alike, exact
 float32).
 
 So that the attention reads each head's own slots alone, a layer whose heads' rows are staggered folds the heads
-into rows (see `exporters/translations.Folding`), and its present keys and values are then the folded buffers the
+into rows (see `exporters/graph/translations.Folding`), and its present keys and values are then the folded buffers the
 op writes, `[batch * kv_heads, 1, length, head_dim]`: the same memory as the past's `[batch, kv_heads, length,
 head_dim]`, which a runtime binds as both, in the shape that layer's run gives (ROWS and ROW_HEADS name the two
 axes). A layer whose heads start together, as they do at the default, gives the past's shape. A prompt's chunk

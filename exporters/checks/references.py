@@ -7,8 +7,7 @@ import numpy as np
 import torch
 from torch.export import ExportedProgram
 
-from exporters.progress import Progress, untracked
-from exporters.validate import (
+from exporters.checks.validate import (
     DECODE_STEPS,
     PROMPT_LENGTH,
     STAGGER_CHUNK,
@@ -19,7 +18,8 @@ from exporters.validate import (
     difference,
     validation_prompt,
 )
-from exporters.wrappers import ExportableFox
+from exporters.graph.wrappers import ExportableFox
+from exporters.progress import Progress, untracked
 from kvg_export import FoxForCausalLM
 from runtime.contract import WINDOW_OFFSETS, CacheLayout, cache_shape
 

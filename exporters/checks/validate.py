@@ -12,11 +12,11 @@ present keeps), so both are checked against the same eager step.
 
 A graph that takes window_offsets (forget-gate pruning) runs a layer whose heads' windows are staggered (each
 head's starting at its own offset) in other branches than one whose heads start together
-(exporters/translations.py); the runtime feeds them once pruning has dropped slots. So such a graph is also run
+(exporters/graph/translations.py); the runtime feeds them once pruning has dropped slots. So such a graph is also run
 with every layer's heads staggered, through each of those branches (`StaggeredRun`), on the cache the runtime
 would hold, and compared with eager given the same offsets.
 
-A fused FoX-Pro graph also outputs each new token's shift states (exporters/passes/shift_states.py), which a
+A fused FoX-Pro graph also outputs each new token's shift states (exporters/graph/passes/shift_states.py), which a
 speculative run resumes from: they are compared with eager's state after each token of the step.
 """
 
@@ -222,7 +222,7 @@ def _compared(label: str, step: EagerStep, runs: list[list[np.ndarray]], layout:
 
 def _as_pasts(presents: list[np.ndarray], pasts: list[np.ndarray]) -> list[np.ndarray]:
     """A step's presents as the next step's pasts: a present whose heads came folded into rows
-    (exporters/passes/window_offsets.py) in its past's `[batch, kv_heads, ...]` shape, the same memory."""
+    (exporters/graph/passes/window_offsets.py) in its past's `[batch, kv_heads, ...]` shape, the same memory."""
     return [present.reshape(past.shape[:2] + present.shape[2:]) for present, past in zip(presents, pasts, strict=True)]
 
 

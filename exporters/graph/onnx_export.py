@@ -14,9 +14,10 @@ import onnx_ir as ir
 import torch
 from torch.export import Dim, ExportedProgram
 
-from exporters import passes, weights_file
-from exporters.translations import translations
-from exporters.wrappers import ExportableFox
+from exporters import weights_file
+from exporters.graph import passes
+from exporters.graph.translations import translations
+from exporters.graph.wrappers import ExportableFox
 from kvg_export import FoxForCausalLM
 from runtime import contract as io
 from runtime.contract import DYNAMIC_MAX_POSITIONS, WINDOW_OFFSETS, CacheLayout, cache_shape
@@ -71,7 +72,7 @@ def export_program(
     window_offsets: bool = False,
 ) -> tuple[ExportedProgram, tuple]:
     """The ExportedProgram of one forward step, and the example inputs it was traced with; `window_offsets`: the
-    step also takes them, by keyword (in-place attention only; see exporters/passes/window_offsets.py)."""
+    step also takes them, by keyword (in-place attention only; see exporters/graph/passes/window_offsets.py)."""
     if layout.static and not max_cache_len:
         raise ValueError("a static export needs max_cache_len")
     example = example_inputs(model, layout, max_cache_len)
@@ -110,7 +111,7 @@ def _axis_names(layout: CacheLayout, name: str) -> list[str | None]:
 def lower_to_onnx(
     program: ExportedProgram, example: tuple, layout: CacheLayout, path: Path, opset: int, choices: passes.Choices,
 ) -> dict[str, int]:  # fmt: skip
-    """Write `path`: the ONNX graph with contract names and named axes, after the graph passes (exporters/passes),
+    """Write `path`: the ONNX graph with contract names and named axes, after the graph passes (exporters/graph/passes),
     its weights beside it (see `weights_file`); returns the passes' counts by name. `choices.attention` also picks
     the lowering of in-place attention (see `translations`), and the graph takes the optional `window_offsets` if
     `choices` says the program does."""
@@ -135,7 +136,7 @@ def lower_to_onnx(
         value.shape = ir.Shape([name or dim for name, dim in zip(axes, value.shape, strict=True)])
     counts = passes.run(onnx_program.model, choices)
     made, described = [value.name for value in graph.outputs], layout.output_names() + list(choices.shift_states)
-    if made != described:  # the manifest lists the layout's outputs (exporters/manifest.py's graph_io)
+    if made != described:  # the manifest lists the layout's outputs (exporters/checks/manifest.py's graph_io)
         raise ValueError(f"the graph's outputs {made} are not the layout's {described}")
     weights_file.save(onnx_program.model, path)
     return counts

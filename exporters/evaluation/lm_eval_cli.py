@@ -1,7 +1,7 @@
 """`kvg-lm-eval ARTIFACT`: EleutherAI's lm-evaluation-harness against kvg-serve on a static artifact (its
 `local-completions` model, requests as token ids), against eager PyTorch on the checkpoint it was exported
 from (its `hf` model), or both, so that the served model is scored as the harness scores any other and
-the two scores can be compared. Tasks: the project's `kvg_stdlib` (exporters/lm_eval_tasks, no download)
+the two scores can be compared. Tasks: the project's `kvg_stdlib` (exporters/evaluation/lm_eval_tasks, no download)
 or any the harness knows. Both tokenize with the artifact's tokenizer through transformers (the released FoX
 checkpoints' JSONGPT2Tokenizer is registered by importing kvg_export), with its BOS first where the manifest's
 `text` puts one there, as the official evaluation passes `add_bos_token=True`."""

@@ -26,7 +26,7 @@ from pathlib import Path
 from runtime.contract import OP_DOMAIN, OP_NAME, OP_VERSION
 from runtime.custom_ops import platform_tag
 
-SOURCE = Path(__file__).parent / "native" / "fox_attention.cc"
+SOURCE = Path(__file__).parent / "fox_attention.cc"
 LIBRARY_NAME = "libkvg_fox_attention.so"
 HEADER = "onnxruntime_cxx_api.h"
 INSTALLED_HEADERS = Path("/usr/include/onnxruntime")
@@ -153,7 +153,7 @@ def available() -> Path | None:
 
 
 def main() -> int:
-    """`python -m exporters.native_library`: build the library, one line either way; the exit is 0 both ways, since
+    """`python -m exporters.native.library`: build the library, one line either way; the exit is 0 both ways, since
     exports then fall back to GroupQueryAttention."""
     try:
         library = build()

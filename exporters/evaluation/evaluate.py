@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from exporters.checkpoint_tokenizer import CheckpointTokenizer, TokenizerError, read_tokenizer
-from exporters.manifest import source_digest
+from exporters.checks.manifest import source_digest
 from exporters.progress import Progress, untracked
 from kvg_export.corpus import Document, describe, read_split, split_digest, token_stream, windows
 from kvg_export.folders import write_whole

@@ -440,7 +440,7 @@ def _joined(out):
 
 
 def translations(attention: str) -> dict:
-    """The custom lowerings for a graph that attends as `attention` (see exporters/export.py)."""
+    """The custom lowerings for a graph that attends as `attention` (see exporters/pipeline/export.py)."""
     in_place = lower_onnx_attention if attention == "onnx-attention" else lower_group_query_attention
     return {
         torch.ops.aten.softplus.default: lower_softplus,

@@ -27,7 +27,7 @@ import onnx_ir as ir
 
 from exporters import weights_file
 from exporters.progress import Progress, untracked
-from exporters.quantization import NEURAL_COMPRESSOR_METHODS, Quantization, QuantizationError
+from exporters.quantization.settings import NEURAL_COMPRESSOR_METHODS, Quantization, QuantizationError
 
 
 @dataclass

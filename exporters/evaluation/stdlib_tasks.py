@@ -1,4 +1,4 @@
-"""The documents of the `kvg_stdlib` lm-evaluation-harness tasks (exporters/lm_eval_tasks/), made at run time
+"""The documents of the `kvg_stdlib` lm-evaluation-harness tasks (exporters/evaluation/lm_eval_tasks/), made at run time
 from the held-out test split of the corpus (kvg_export/corpus.py), so they need no download.
 
 Every draw comes from one string-seeded `random.Random` over the split's lines in path order: the same

@@ -1,6 +1,6 @@
 """What a weight-only quantization is asked to do, checked before anything is traced: the settings, their choices,
-and the roles that stay in float (exporters/quantize.py does the quantizing). Separate from it, so that the exporting
-process holds none of what quantizing imports while the torch half runs.
+and the roles that stay in float (exporters/quantization/quantize.py does the quantizing). Separate from it, so that
+the exporting process holds none of what quantizing imports while the torch half runs.
 """
 
 from __future__ import annotations

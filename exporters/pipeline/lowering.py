@@ -1,7 +1,7 @@
 """An export's torch half: load the checkpoint, trace it, lower it to ONNX, and record what the graph is judged
 against (eager's validation run; for a quantized export, eager fp32's scores on held-out text).
 
-export.py runs `lower` in a process of its own (exporters.isolated), so that torch, the model and what the
+export.py runs `lower` in a process of its own (exporters.pipeline.isolated), so that torch, the model and what the
 lowering leaves behind are gone before onnxruntime validates and quantizes: the export's peak memory is then
 the larger of the two halves, not their sum.
 """
@@ -14,18 +14,18 @@ from pathlib import Path
 
 import torch
 
-from exporters import passes
 from exporters.checkpoint_tokenizer import FAST_FILE, CheckpointTokenizer
-from exporters.evaluate import DEFAULT_CONTEXT, EagerRun, EvalError, run_eager
-from exporters.export import AS_CONFIG, IN_PLACE_KINDS, ExportError, ExportOptions, Lowered
-from exporters.manifest import build_manifest, source_digest
-from exporters.native_library import manifest_entry
-from exporters.onnx_export import export_program, lower_to_onnx
-from exporters.preflight import parameters
+from exporters.checks.manifest import build_manifest, source_digest
+from exporters.checks.references import record
+from exporters.checks.validate import DECODE_STEPS
+from exporters.evaluation.evaluate import DEFAULT_CONTEXT, EagerRun, EvalError, run_eager
+from exporters.graph import passes
+from exporters.graph.onnx_export import export_program, lower_to_onnx
+from exporters.native.library import manifest_entry
+from exporters.pipeline.options import AS_CONFIG, IN_PLACE_KINDS, ExportError, ExportOptions, Lowered
+from exporters.pipeline.preflight import parameters
+from exporters.pipeline.stages import stage
 from exporters.progress import Progress
-from exporters.references import record
-from exporters.stages import stage
-from exporters.validate import DECODE_STEPS
 from kvg_export.fox.pruning import bound_kind, score_bounds
 from kvg_export.presets import load_model
 from runtime.cache.pruning import check_tolerance

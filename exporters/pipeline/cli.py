@@ -6,10 +6,21 @@ import argparse
 import sys
 from pathlib import Path
 
-from exporters import export, quantization
-from exporters.evaluate import Thresholds
-from exporters.export import ExportError, ExportOptions, QualityOptions, export_artifact
-from exporters.quantization import Quantization, QuantizationError
+from exporters.evaluation.evaluate import Thresholds
+from exporters.pipeline import export
+from exporters.pipeline.export import export_artifact
+from exporters.pipeline.options import (
+    ATTENTION_KINDS,
+    DEFAULT_MAX_BATCH,
+    DEFAULT_QUALITY_WINDOWS,
+    DTYPES,
+    ONNX_ATTENTION_OPSET,
+    ExportError,
+    ExportOptions,
+    QualityOptions,
+)
+from exporters.quantization import settings as quantization
+from exporters.quantization.settings import Quantization, QuantizationError
 from runtime.cache.pruning import parse_tolerance
 from runtime.contract import DEFAULT_OPSET
 
@@ -39,7 +50,7 @@ def _add_quantization(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--keep-float", type=_roles,
                        help=f"roles left in float, comma-separated, or none: {roles} (default {kept})")  # fmt: skip
     group.add_argument("--symmetric", action="store_true", default=None, help="zero points fixed at the middle")
-    group.add_argument("--quality-windows", type=int, default=export.DEFAULT_QUALITY_WINDOWS,
+    group.add_argument("--quality-windows", type=int, default=DEFAULT_QUALITY_WINDOWS,
                        help="512-token windows of held-out text to judge on (0: all; default %(default)s)")  # fmt: skip
     group.add_argument("--quality-text", type=Path, action="append",
                        help="judge on these files or folders, not the stdlib test split (repeatable)")  # fmt: skip
@@ -77,18 +88,18 @@ def parse_args(argv: list[str] | None) -> ExportOptions:
     parser.add_argument("model", help="a preset name (see models/) or a local checkpoint folder")
     parser.add_argument("--out", type=Path, required=True, help="the artifact folder to create")
     parser.add_argument("--cache", choices=("dynamic", "static"), default="dynamic")
-    parser.add_argument("--dtype", choices=tuple(export.DTYPES), default="fp32")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
     limit = "with --cache dynamic, the most positions (prompt plus new tokens) the runtime accepts (default: none)"
     parser.add_argument("--max-cache-len", type=int, help=f"static cache length (default 1024); {limit}")
-    parser.add_argument("--max-batch", type=int, default=export.DEFAULT_MAX_BATCH)
-    opsets = f"default {DEFAULT_OPSET}; {export.ONNX_ATTENTION_OPSET} for onnx-attention"
+    parser.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH)
+    opsets = f"default {DEFAULT_OPSET}; {ONNX_ATTENTION_OPSET} for onnx-attention"
     parser.add_argument("--opset", type=int, help=f"ONNX opset ({opsets})")
     parser.add_argument(
         "--provider", choices=("cpu", "cuda"), default="cpu", help="onnxruntime provider to validate on"
     )
     parser.add_argument(
         "--attention",
-        choices=export.ATTENTION_KINDS,
+        choices=ATTENTION_KINDS,
         default="auto",
         help="gqa: onnxruntime's GroupQueryAttention, appending to the cache buffer in place (CPU: fp32, fp16; "
         "CUDA: fp16, bf16); onnx-attention: ONNX Attention over a static buffer written in place by TensorScatter "

@@ -14,7 +14,7 @@ import shutil
 import struct
 from pathlib import Path
 
-from exporters.evaluate import EvalError, check_text_paths, check_tokenizer
+from exporters.evaluation.evaluate import EvalError, check_text_paths, check_tokenizer
 
 ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 SAFETENSORS_HEADER = struct.Struct("<Q")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from exporters.validate import DECODE_STEPS, PROMPT_LENGTH, TOLERANCES, validation_prompt
+from exporters.checks.validate import DECODE_STEPS, PROMPT_LENGTH, TOLERANCES, validation_prompt
 from runtime import contract as io
 from runtime.artifact import SessionOptions
 from runtime.cache.buffers import HOST_TYPES

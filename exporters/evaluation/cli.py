@@ -10,8 +10,7 @@ import re
 import sys
 from pathlib import Path
 
-from exporters.eval_plot import plot_perplexity_by_position
-from exporters.evaluate import (
+from exporters.evaluation.evaluate import (
     BAND_GROWTH,
     DEFAULT_CONTEXT,
     EvalError,
@@ -20,6 +19,7 @@ from exporters.evaluate import (
     evaluate,
     write_json,
 )
+from exporters.evaluation.plot import plot_perplexity_by_position
 from exporters.progress import Progress
 from kvg_export.corpus import SPLITS
 from runtime.artifact import SessionOptions

@@ -1,0 +1,1 @@
+"""The fused FoX attention operator (fox_attention.cc, onnxruntime's C API) and its build."""
