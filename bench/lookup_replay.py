@@ -3,14 +3,14 @@
     python bench/lookup_replay.py [--prompt-tokens 1024] [--new-tokens 256] [--rounds 5]
 
 Each trained preset's default export continues each of bench/speculative.py's modules greedily. The replay walks
-that continuation as speculative decoding does (each run verifies the guesses, keeps the right ones and the token
-after them; the guess count adapts as `Search` adapts it) at the cost of a run verifying k guesses, measured on the
-same artifact for k = 0 to the rule's most (runs whose guesses are all right, continuing the first module's prompt,
+that continuation as speculative decoding does (each run verifies the drafts, keeps the right ones and the token
+after them; the draft count adapts as `Search` adapts it) at the cost of a run verifying k drafts, measured on the
+same artifact for k = 0 to the rule's most (runs whose drafts are all right, continuing the first module's prompt,
 whose positions every module's share; medians of `--rounds`). Beside the
-rule, two oracles: its guesses cut to the ones that will be right (the best any sizing of them could do), and at
+rule, two oracles: its drafts cut to the ones that will be right (the best any sizing of them could do), and at
 every run the earlier occurrence of the text's final min_ngram tokens that goes on right longest, cut likewise (the
 best any choice among the text's occurrences could do). The timed runs hold the decode loop's Python; a replay
-leaves out the lookup's own time and what rewinding rejected guesses costs, which a measured row pays. Writes
+leaves out the lookup's own time and what rewinding rejected drafts costs, which a measured row pays. Writes
 results/lookup_replay.json and its table in bench/README.md.
 """
 
@@ -36,22 +36,22 @@ BEGIN, END = "<!-- lookup-replay:begin -->", "<!-- lookup-replay:end -->"
 
 @dataclass(frozen=True)
 class Foreseen:
-    """Guesses `tokens` tokens a run, each the one greedy decoding will choose (`truth`, the prompt's continuation):
-    every run's guesses are right, so a run's time is that of verifying `tokens`."""
+    """Drafts `tokens` tokens a run, each the one greedy decoding will choose (`truth`, the prompt's continuation):
+    every run's drafts are right, so a run's time is that of verifying `tokens`."""
 
     truth: tuple[int, ...]
     tokens: int
     rows = math.inf
 
     def check(self, target, prompts, config) -> None:
-        """It guesses for the one prompt whose continuation it holds."""
+        """It drafts for the one prompt whose continuation it holds."""
 
     def start(self, prompt: list[int], config) -> Foresight:
         return Foresight(self.truth, self.tokens)
 
 
 class Foresight:
-    """One run's guesser: the continuation's tokens after those chosen so far."""
+    """One run's drafter: the continuation's tokens after those chosen so far."""
 
     distributions = ()
 
@@ -66,7 +66,7 @@ class Foresight:
 
 
 def run_costs(generator: Generator, prompt: list[int], truth: list[int], rounds: int) -> list[float]:
-    """Seconds a run verifying k right guesses takes, k = 0 to LOOKUP.tokens (medians of `rounds`, in turn)."""
+    """Seconds a run verifying k right drafts takes, k = 0 to LOOKUP.tokens (medians of `rounds`, in turn)."""
     config = GenerationConfig(len(truth), len(truth))
     settings = [config, *(replace(config, speculative=Foreseen(tuple(truth), k)) for k in range(1, LOOKUP.tokens + 1))]
     times: list[list[float]] = [[] for _ in settings]
@@ -81,27 +81,27 @@ def run_costs(generator: Generator, prompt: list[int], truth: list[int], rounds:
     return [statistics.median(t) for t in times]
 
 
-def right(guess: list[int], truth: list[int], done: int) -> int:
-    """How many of `guess`'s first tokens are the continuation's after its first `done`."""
+def right(draft: list[int], truth: list[int], done: int) -> int:
+    """How many of `draft`'s first tokens are the continuation's after its first `done`."""
     kept = 0
-    while kept < len(guess) and done + kept < len(truth) and guess[kept] == truth[done + kept]:
+    while kept < len(draft) and done + kept < len(truth) and draft[kept] == truth[done + kept]:
         kept += 1
     return kept
 
 
 def rule_time(prompt: list[int], truth: list[int], cost: list[float], cut: bool = False) -> tuple[float, int, int]:
-    """Seconds the rule's runs take after the prompt's (`cut`: each guess cut to its right tokens, as an oracle
-    would, and so never wasting one), with the guesses made and those right."""
+    """Seconds the rule's runs take after the prompt's (`cut`: each draft cut to its right tokens, as an oracle
+    would, and so never wasting one), with the drafts made and those right."""
     lookup, budget, done, seconds, proposed, kept_in_all = LOOKUP.start(prompt), LOOKUP.tokens, 1, 0.0, 0, 0
     lookup.push(truth[0])
     while done < len(truth):
         most = min(LOOKUP.tokens if cut else budget, len(truth) - done - 1)
-        guess = lookup.propose(most) if most >= 1 else []
-        kept = right(guess, truth, done)
-        seconds += cost[kept if cut else len(guess)]
-        proposed, kept_in_all = proposed + len(guess), kept_in_all + kept
-        if guess:  # as Search.accepts adapts it
-            budget = adapted_budget(budget, LOOKUP.tokens, whole=kept == len(guess))
+        draft = lookup.propose(most) if most >= 1 else []
+        kept = right(draft, truth, done)
+        seconds += cost[kept if cut else len(draft)]
+        proposed, kept_in_all = proposed + len(draft), kept_in_all + kept
+        if draft:  # as Search.accepts adapts it
+            budget = adapted_budget(budget, LOOKUP.tokens, whole=kept == len(draft))
         for token in truth[done : done + kept + 1]:
             lookup.push(token)
         done += kept + 1
@@ -109,7 +109,7 @@ def rule_time(prompt: list[int], truth: list[int], cost: list[float], cut: bool 
 
 
 def best_occurrence_time(prompt: list[int], truth: list[int], cost: list[float]) -> float:
-    """Seconds the runs take when each guesses what followed the earlier occurrence of the text's final min_ngram
+    """Seconds the runs take when each drafts what followed the earlier occurrence of the text's final min_ngram
     tokens that goes on right longest, cut to its right tokens."""
     text, done, seconds, low = [*prompt, truth[0]], 1, 0.0, LOOKUP.min_ngram
     while done < len(truth):
@@ -129,11 +129,11 @@ def table(results: dict) -> str:
         f"`python bench/lookup_replay.py`, {results['machine']['date']}: each trained preset's default export "
         f"continuing the first {settings['prompt_tokens']} tokens of each held-out module for "
         f"{settings['new_tokens']}, replayed at the preset's run costs there (medians of {settings['rounds']} rounds); "
-        "speed-ups over plain decoding's replay. The rule is `--speculative ngram`'s; the oracles cut its guesses to "
+        "speed-ups over plain decoding's replay. The rule is `--speculative ngram`'s; the oracles cut its drafts to "
         "what will be right, or also choose the earlier occurrence that goes on right longest. The lookup's own time "
         "and rewinds are left out (measured rows, the tables above, run under their replays).",
         "",
-        "| preset | module | one-token step us | 1 + 8 tokens us | guesses right | rule | its guesses cut | "
+        "| preset | module | one-token step us | 1 + 8 tokens us | drafts right | rule | its drafts cut | "
         "best occurrence, cut |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]

@@ -1,4 +1,4 @@
-"""A guesser for speculative decoding tests: it knows the tokens plain decoding chose, and drafts each right or
+"""A drafter for speculative decoding tests: it knows the tokens plain decoding chose, and drafts each right or
 wrong as a test says, so a test decides what is accepted where (runtime/speculative/prompt_lookup.py's is what
 users run)."""
 
@@ -21,7 +21,7 @@ class Scripted:
     right: Callable[[int, int], bool]
     vocab: int
     tokens: int = DRAFTS  # the most a run verifies, as PromptLookup.tokens
-    rows: float = math.inf  # as PromptLookup.rows
+    max_rows: float = math.inf  # as PromptLookup.max_rows
 
     @classmethod
     def of(cls, prompts: list[list[int]], truth: list[list[int]], right: Callable[[int, int], bool], vocab: int):

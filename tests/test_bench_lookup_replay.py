@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from lookup_replay import best_occurrence_time, rule_time
 from speculative import LOOKUP
 
-COST = [1.0 + 0.25 * k + 0.01 * k * k for k in range(LOOKUP.tokens + 1)]  # a run verifying k guesses
+COST = [1.0 + 0.25 * k + 0.01 * k * k for k in range(LOOKUP.tokens + 1)]  # a run verifying k drafts
 
 
 def test_a_continuation_that_never_repeats_is_a_run_a_token_after_the_prompts():
@@ -23,6 +23,6 @@ def test_a_continuation_that_never_repeats_is_a_run_a_token_after_the_prompts():
 def test_a_continuation_that_repeats_the_prompt_is_guessed_whole_after_its_second_token():
     """The prompt read again: after its first token (the prompt's run's) the final two tokens, the prompt's last and
     first, occurred nowhere (a run of one token); after the second, the prompt's first two did, and what followed
-    them is the rest: runs of eight right guesses, nine tokens each, 2 + 3 * 9 = 29."""
+    them is the rest: runs of eight right drafts, nine tokens each, 2 + 3 * 9 = 29."""
     prompt = list(range(100, 129))
     assert best_occurrence_time(prompt, prompt, COST) == pytest.approx(COST[0] + 3 * COST[LOOKUP.tokens])

@@ -87,17 +87,17 @@ def test_unconstrained_rows_beside_constrained_ones_get_the_tokens_they_get_alon
 
 
 def test_speculative_decoding_under_a_constraint_keeps_the_constrained_tokens(exported):
-    """Prompt lookup's guesses are checked by the grammar and verified by the target under its mask: greedy, the
+    """Prompt lookup's drafts are checked by the grammar and verified by the target under its mask: greedy, the
     tokens of constrained decoding one token a run."""
     generator = Generator.open(exported("fox-py", "dynamic")[0].path, CPU)
     prompt = '{"name":"reader","kind":"class","public":true,"lines":12,"tags":["io"]}\n' * 3
     accepted = []
     for constraint in (CHECKS["json_schema"][0], CHECKS["regex"][0]):
         plain = generator.generate([prompt], GenerationConfig(64, constraint=constraint))
-        guessed = generator.generate([prompt], GenerationConfig(64, constraint=constraint, speculative=PromptLookup()))
-        assert guessed.tokens == plain.tokens
-        accepted.append(guessed.drafts_accepted)
-    assert accepted[0] > 0  # the prompt's JSON is guessed again
+        drafted = generator.generate([prompt], GenerationConfig(64, constraint=constraint, speculative=PromptLookup()))
+        assert drafted.tokens == plain.tokens
+        accepted.append(drafted.drafts_accepted)
+    assert accepted[0] > 0  # the prompt's JSON is drafted again
 
 
 def test_what_cannot_be_held_to_is_refused_before_any_work(generator):

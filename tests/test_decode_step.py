@@ -5,7 +5,7 @@ alternating and rebound when the row count changes, against plain `session.run` 
 import numpy as np
 import pytest
 
-from runtime import contract as io
+from runtime import contract
 from runtime.artifact import Artifact, SessionOptions
 from runtime.cache.buffers import HOST_TYPES, to_host
 from runtime.cache.device_cache import DeviceCache
@@ -20,8 +20,8 @@ def empty_pasts(artifact: Artifact, batch: int) -> dict[str, np.ndarray]:
     """Each past input zeroed, as the manifest shapes it: a dynamic cache 0 positions long."""
     pasts = {}
     for entry in artifact.manifest["inputs"]:
-        if entry["name"].startswith(io.PAST_PREFIX):
-            shape = [batch if a == io.BATCH_AXIS else 0 if a == io.PAST_AXIS else a for a in entry["axes"]]
+        if entry["name"].startswith(contract.PAST_PREFIX):
+            shape = [batch if a == contract.BATCH_AXIS else 0 if a == contract.PAST_AXIS else a for a in entry["axes"]]
             pasts[entry["name"]] = np.zeros(shape, dtype=HOST_TYPES[entry["dtype"]])
     return pasts
 
@@ -29,12 +29,16 @@ def empty_pasts(artifact: Artifact, batch: int) -> dict[str, np.ndarray]:
 def reference_step(artifact: Artifact, pasts: dict, ids: np.ndarray, mask: np.ndarray, slot: int) -> np.ndarray:
     """session.run on rows [0, len(ids)) of `pasts`, its presents written back over them; the last logits."""
     rows = len(ids)
-    feeds = {io.INPUT_IDS: ids, io.ATTENTION_MASK: mask, **{name: past[:rows] for name, past in pasts.items()}}
+    feeds = {
+        contract.INPUT_IDS: ids,
+        contract.ATTENTION_MASK: mask,
+        **{name: past[:rows] for name, past in pasts.items()},
+    }
     if artifact.static:
-        feeds[io.CACHE_POSITION] = np.array([slot], dtype=np.int64)
-    logits, *presents = artifact.session.run([io.LOGITS, *artifact.present_names()], feeds)
+        feeds[contract.CACHE_POSITION] = np.array([slot], dtype=np.int64)
+    logits, *presents = artifact.session.run([contract.LOGITS, *artifact.present_names()], feeds)
     for name, present in zip(artifact.present_names(), presents, strict=True):
-        past = io.past_of(name)
+        past = contract.past_of(name)
         if artifact.static:
             pasts[past][:rows] = present
         else:  # a dynamic cache grows by the step: every row is stepped

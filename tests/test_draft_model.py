@@ -1,4 +1,4 @@
-"""Speculative decoding with a draft model: a model drafting for itself has every guess accepted and the tokens of
+"""Speculative decoding with a draft model: a model drafting for itself has every draft accepted and the tokens of
 plain decoding, on every cache the Generator holds; a trained preset drafting for the other (same tokenizer) gives
 plain decoding's tokens; sampled drafts keep the target's distribution (Sampler.verify against the exact one, by a
 chi-square bound, alone and through the models); a draft of other token ids is refused, naming the difference."""
@@ -42,7 +42,7 @@ def test_a_model_drafting_for_itself_has_every_guess_accepted(exported, kind):
 
 
 def test_fox_py_drafting_for_fox_pro_py_gives_its_greedy_tokens(exported, capsys):
-    """Two trained presets of one tokenizer: the guesses are partly right, the text is the target's, and
+    """Two trained presets of one tokenizer: the drafts are partly right, the text is the target's, and
     kvg-generate takes the draft's folder."""
     target, draft = (str(exported(preset, "dynamic")[0].path) for preset in ("fox-pro-py", "fox-py"))
     common = [target, "--prompt", "def parse_args(argv):\n", "--max-new-tokens", "40", "--provider", "cpu"]

@@ -104,7 +104,7 @@ def test_kvg_serve_refuses_a_speculative_that_names_nothing(exported):
 
 def test_a_draft_model_drafts_for_each_request_in_the_engine(exported):
     """fox-tiny's dynamic artifact drafting for its static one (the same weights): each request's draft keeps a
-    cache of its own and every guess is kept. Greedy, the tokens are the requests' alone; sampled (where speculative
+    cache of its own and every draft is kept. Greedy, the tokens are the requests' alone; sampled (where speculative
     sampling's draws are not plain decoding's), those the Generator draws with the same draft and seed."""
     target = Generator.open(exported("fox-tiny", "static")[0].path, CPU)
     draft = DraftModel(Model.open(exported("fox-tiny", "dynamic")[0].path, CPU), tokens=3)

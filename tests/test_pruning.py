@@ -170,8 +170,8 @@ def test_speculative_decoding_through_a_pruned_artifact_generates_the_exact_toke
 
 @pytest.mark.parametrize("preset", ["fox-pro-tiny", "fox-tiny"])
 def test_a_pruned_artifact_drafting_for_itself_generates_the_exact_tokens(artifacts, preset):
-    """The draft's cache prunes as well, through its SLOTS slots, and goes back after each round of guesses
-    (FoX-Pro's shift states with it) without dropping a position it goes back to: every guess is accepted, and the
+    """The draft's cache prunes as well, through its SLOTS slots, and goes back after each round of drafts
+    (FoX-Pro's shift states with it) without dropping a position it goes back to: every draft is accepted, and the
     target's tokens are the unpruned artifact's."""
     model, static, _, exact = artifacts(preset)
     config = GenerationConfig(max_new_tokens=NEW, min_new_tokens=NEW)

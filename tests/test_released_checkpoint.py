@@ -309,11 +309,11 @@ def test_structured_answers_hold_in_the_text_the_escaping_tokenizer_writes(artif
             result = generator.generate(PROMPTS[:2], GenerationConfig(60, sampling=sampling, constraint=constraint))
             assert result.finish_reasons == ["stop", "stop"], result.text
             assert all(valid(text) for text in result.text), (constraint.kind, result.text)
-        guessed = GenerationConfig(60, constraint=constraint, speculative=PromptLookup(min_ngram=1))
+        drafted = GenerationConfig(60, constraint=constraint, speculative=PromptLookup(min_ngram=1))
         assert (
-            generator.generate(PROMPTS[:1], guessed).tokens
+            generator.generate(PROMPTS[:1], drafted).tokens
             == generator.generate(PROMPTS[:1], GenerationConfig(60, constraint=constraint)).tokens
-        )  # guesses cut where the grammar refuses them, choices under the mask
+        )  # drafts cut where the grammar refuses them, choices under the mask
 
 
 def test_an_escaped_tokens_mask_is_every_token_that_continues_an_answer_escaped(artifact, gpt2):

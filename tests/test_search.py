@@ -70,7 +70,7 @@ def test_seeded_sampling_repeats_and_draws_from_the_kept_tokens():
 
 
 class Fours:
-    """A guesser that guesses 4 for as many tokens as it is asked."""
+    """A drafter that drafts 4 for as many tokens as it is asked."""
 
     tokens = 5
     distributions = ()

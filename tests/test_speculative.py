@@ -86,10 +86,10 @@ def test_sampled_drafts_choose_the_tokens_a_seeded_plain_run_samples(exported):
     assert spoken.tokens == plain.tokens and 0 < spoken.drafts_accepted < spoken.drafts_proposed
 
 
-def naive_proposal(text: list[int], most: int, tokens: int, ngram: int, min_ngram: int) -> list[int]:
+def naive_drafts(text: list[int], most: int, tokens: int, ngram: int, min_ngram: int) -> list[int]:
     """Of the latest LATEST earlier occurrences of the text's final min_ngram tokens, those that match the text's
-    final tokens longest (n <= ngram); then, guess by guess, the token that most of those agreeing with the guesses
-    so far went on with, a tie to the one whose occurrence is latest: up to `most`, and while the guesses are a
+    final tokens longest (n <= ngram); then, draft by draft, the token that most of those agreeing with the drafts
+    so far went on with, a tie to the one whose occurrence is latest: up to `most`, and while the drafts are a
     smaller share of `tokens` than the match is of `ngram`."""
     shortest = [end for end in range(min_ngram, len(text)) if text[end - min_ngram : end] == text[-min_ngram:]]
     shortest = shortest[-LATEST:]
@@ -97,15 +97,15 @@ def naive_proposal(text: list[int], most: int, tokens: int, ngram: int, min_ngra
         followed = [end for end in shortest if end >= n and text[end - n : end] == text[-n:]]
         if followed:
             break
-    guesses = []
-    while len(guesses) < most and len(guesses) / tokens < n / ngram:
-        agreeing = [end for end in followed if end + len(guesses) < len(text) and text[end:][: len(guesses)] == guesses]
+    drafts = []
+    while len(drafts) < most and len(drafts) / tokens < n / ngram:
+        agreeing = [end for end in followed if end + len(drafts) < len(text) and text[end:][: len(drafts)] == drafts]
         if not agreeing:
-            return guesses
-        went_on = [text[end + len(guesses)] for end in agreeing]
+            return drafts
+        went_on = [text[end + len(drafts)] for end in agreeing]
         votes = max(went_on.count(token) for token in went_on)
-        guesses.append(next(token for token in reversed(went_on) if went_on.count(token) == votes))
-    return guesses
+        drafts.append(next(token for token in reversed(went_on) if went_on.count(token) == votes))
+    return drafts
 
 
 @pytest.mark.parametrize(("min_ngram", "ngram"), [(1, 1), (1, 2), (2, 3), (3, 3), (2, 5), (2, 8)])
@@ -116,17 +116,17 @@ def test_prompt_lookup_proposes_what_most_of_the_longest_matches_went_on_with(mi
     proposed = []
     for length in range(2, len(text) + 1):
         lookup.push(text[length - 1])
-        if length % 5 in (1, 2):  # tokens read while no guess is asked for, indexed at the next guess
+        if length % 5 in (1, 2):  # tokens read while no draft is asked for, indexed at the next draft
             continue
         most = 1 + length % 7  # sometimes fewer than `tokens`
-        assert lookup.propose(most) == naive_proposal(text[:length], most, 6, ngram, min_ngram), length
+        assert lookup.propose(most) == naive_drafts(text[:length], most, 6, ngram, min_ngram), length
         proposed.append(len(lookup.propose(most)))
     assert min(proposed) < max(proposed) <= 6
-    assert max(proposed) == 6 or ngram > 5  # in 400 tokens of 4 ids, 8-grams rarely recur: guesses stay shorter
+    assert max(proposed) == 6 or ngram > 5  # in 400 tokens of 4 ids, 8-grams rarely recur: drafts stay shorter
 
 
 def test_a_guess_is_as_long_as_the_match_it_follows():
-    """Up to eight guesses after matches of up to eight tokens: two after a match of two, eight after one of eight."""
+    """Up to eight drafts after matches of up to eight tokens: two after a match of two, eight after one of eight."""
     settings = PromptLookup(tokens=8, ngram=8, min_ngram=2)
     earlier = list(range(100, 120))
     two = settings.start([*earlier, *earlier[:2]]).propose(8)  # the earlier two tokens had none before them

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from exporters.checks.validate import DECODE_STEPS, PROMPT_LENGTH, TOLERANCES, validation_prompt
-from runtime import contract as io
+from runtime import contract
 from runtime.artifact import SessionOptions
 from runtime.cache.buffers import HOST_TYPES
 from runtime.decode.generator import GenerationConfig, Generator
@@ -52,22 +52,27 @@ def check_cache(folder: Path, batch: int = 2) -> CacheCheck:
     tolerance = TOLERANCES[manifest["dtype"]]
     check = CacheCheck(batch, PROMPT_LENGTH, DECODE_STEPS, 0, 0.0, tolerance)
 
+    empty = {contract.BATCH_AXIS: batch, contract.PAST_AXIS: 0}
     pasts = {
-        entry["name"]: np.zeros([batch if a == io.BATCH_AXIS else 0 if a == io.PAST_AXIS else a for a in entry["axes"]],
-                                dtype=HOST_TYPES[entry["dtype"]])
-        for entry in manifest["inputs"] if entry["name"].startswith(io.PAST_PREFIX)
+        entry["name"]: np.zeros([empty.get(a, a) for a in entry["axes"]], dtype=HOST_TYPES[entry["dtype"]])
+        for entry in manifest["inputs"] if entry["name"].startswith(contract.PAST_PREFIX)
     }  # fmt: skip
-    presents = [entry for entry in manifest["outputs"] if entry["name"] != io.LOGITS]  # and any shift states
+    presents = [entry for entry in manifest["outputs"] if entry["name"] != contract.LOGITS]  # and any shift states
     filled = 0
     for step, want in enumerate(result.step_logits):
-        feeds = {io.INPUT_IDS: ids, io.ATTENTION_MASK: mask, **pasts}
+        feeds = {contract.INPUT_IDS: ids, contract.ATTENTION_MASK: mask, **pasts}
         if static:
-            feeds[io.CACHE_POSITION] = np.arange(filled, filled + ids.shape[1], dtype=np.int64)
+            feeds[contract.CACHE_POSITION] = np.arange(filled, filled + ids.shape[1], dtype=np.int64)
         logits, *outputs = session.run(None, feeds)
         for entry, value in zip(presents, outputs, strict=True):
             # At the default window offsets a pruned graph folds no heads into rows
-            rows = {io.ROWS_AXIS: batch, io.ROW_HEADS_AXIS: manifest["model"]["num_kv_heads"]}
-            sizes = {io.BATCH_AXIS: batch, io.SEQ_AXIS: ids.shape[1], io.TOTAL_AXIS: filled + ids.shape[1], **rows}
+            rows = {contract.ROWS_AXIS: batch, contract.ROW_HEADS_AXIS: manifest["model"]["num_kv_heads"]}
+            sizes = {
+                contract.BATCH_AXIS: batch,
+                contract.SEQ_AXIS: ids.shape[1],
+                contract.TOTAL_AXIS: filled + ids.shape[1],
+                **rows,
+            }
             shape = tuple(sizes.get(a, a) for a in entry["axes"])
             if value.shape != shape or value.dtype != HOST_TYPES[entry["dtype"]]:
                 check.failure = (
@@ -85,8 +90,8 @@ def check_cache(folder: Path, batch: int = 2) -> CacheCheck:
             )
             return check
         filled += ids.shape[1]
-        pasts = {io.past_of(name): value for name, value in zip((e["name"] for e in presents), outputs, strict=True)
-                 if name.startswith(io.PRESENT_PREFIX)}  # fmt: skip
+        named = zip((e["name"] for e in presents), outputs, strict=True)
+        pasts = {contract.past_of(name): value for name, value in named if name.startswith(contract.PRESENT_PREFIX)}
         ids = np.array([[row[step]] for row in result.tokens], dtype=np.int64)  # no row stops early
         mask = np.concatenate([mask, np.ones((batch, 1), dtype=np.int64)], axis=1)
     return check

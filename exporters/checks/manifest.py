@@ -13,7 +13,7 @@ from pathlib import Path
 
 import onnx
 
-from runtime import contract as io
+from runtime import contract
 from runtime.contract import CacheLayout
 from runtime.text.tokenizer import TextRules
 
@@ -45,8 +45,10 @@ def graph_io(
     The layout, which the graph's lowering also follows, says which outputs there are: each token's shift states
     follow the presents where it names them (exporters/graph/passes/shift_states.py)."""
     heads, kv_heads, head_dim = config.num_heads, config.kv_heads, config.head_dim
-    length_in, length_out = (max_cache_len, max_cache_len) if layout.static else (io.PAST_AXIS, io.TOTAL_AXIS)
-    batch = io.BATCH_AXIS
+    length_in, length_out = (
+        (max_cache_len, max_cache_len) if layout.static else (contract.PAST_AXIS, contract.TOTAL_AXIS)
+    )
+    batch = contract.BATCH_AXIS
 
     def cache_entry(name: str, field: str, length, rows: list) -> dict:
         axes = {
@@ -57,17 +59,24 @@ def graph_io(
         return _io_entry(name, "float32" if field == "gate" else dtype, axes)
 
     inputs = [
-        _io_entry(io.INPUT_IDS, "int64", [batch, io.SEQ_AXIS]),
-        _io_entry(io.ATTENTION_MASK, "int64", [batch, io.WINDOW_AXIS if layout.static else io.TOTAL_AXIS]),
+        _io_entry(contract.INPUT_IDS, "int64", [batch, contract.SEQ_AXIS]),
+        _io_entry(
+            contract.ATTENTION_MASK, "int64", [batch, contract.WINDOW_AXIS if layout.static else contract.TOTAL_AXIS]
+        ),
     ]
     if layout.static:
-        inputs.append(_io_entry(io.CACHE_POSITION, "int64", [io.SEQ_AXIS]))
+        inputs.append(_io_entry(contract.CACHE_POSITION, "int64", [contract.SEQ_AXIS]))
     fields = layout.fields * layout.num_layers
-    rows_in, rows_out = [batch, kv_heads], [io.ROWS_AXIS, io.ROW_HEADS_AXIS] if folded else [batch, kv_heads]
+    rows_in, rows_out = (
+        [batch, kv_heads],
+        [contract.ROWS_AXIS, contract.ROW_HEADS_AXIS] if folded else [batch, kv_heads],
+    )
     inputs += [cache_entry(n, f, length_in, rows_in) for n, f in zip(layout.past_names(), fields, strict=True)]
-    outputs = [_io_entry(io.LOGITS, "float32", [batch, io.KEPT_AXIS, config.vocab_size])]
+    outputs = [_io_entry(contract.LOGITS, "float32", [batch, contract.KEPT_AXIS, config.vocab_size])]
     outputs += [cache_entry(n, f, length_out, rows_out) for n, f in zip(layout.present_names(), fields, strict=True)]
-    outputs += [_io_entry(n, dtype, [batch, io.SEQ_AXIS, kv_heads * head_dim]) for n in layout.shift_state_names()]
+    outputs += [
+        _io_entry(n, dtype, [batch, contract.SEQ_AXIS, kv_heads * head_dim]) for n in layout.shift_state_names()
+    ]
     return inputs, outputs
 
 
@@ -88,7 +97,7 @@ def build_manifest(
     for a cache it cannot prune."""
     inputs, outputs = graph_io(config, layout, dtype, max_cache_len, folded=window_offsets and attention != "fused")
     return {
-        "format_version": io.FORMAT_VERSION,
+        "format_version": contract.FORMAT_VERSION,
         "exporter_version": exporter_version,
         "source": {"model": source, "sha256": source_sha256, "model_type": config.model_type},
         "opset": opset,
@@ -100,7 +109,9 @@ def build_manifest(
             "max_cache_len": max_cache_len,
             "max_batch": max_batch,
             "fields": list(layout.fields),
-            "shift_width": config.kv_heads * config.head_dim if any(map(io.is_shift_state, layout.fields)) else None,
+            "shift_width": config.kv_heads * config.head_dim
+            if any(map(contract.is_shift_state, layout.fields))
+            else None,
             # with window_offsets, a prompt's chunk may run with a layer's heads' windows staggered, as decode steps do
             "heads_apart_in_chunks": window_offsets,
         },
@@ -112,15 +123,19 @@ def build_manifest(
             "hidden_size": config.hidden_size,
             "vocab_size": config.vocab_size,
         },
-        "names": {"past": io.PAST_TEMPLATE, "present": io.PRESENT_TEMPLATE, "fields": list(io.CACHE_FIELDS)},
+        "names": {
+            "past": contract.PAST_TEMPLATE,
+            "present": contract.PRESENT_TEMPLATE,
+            "fields": list(contract.CACHE_FIELDS),
+        },
         "inputs": inputs,
         # inputs with a default (ONNX initializers that are also inputs), fed only to change it: in a pruned export
         # window_offsets, zeros (exporters/graph/passes/window_offsets.py, which also folds its present keys and
         # values);
         # logits_to_keep, 0 (every position's logits) unless fed n > 0 (the last n)
-        "optional_inputs": [_io_entry(io.WINDOW_OFFSETS, "int64", [config.num_hidden_layers, config.kv_heads])]
+        "optional_inputs": [_io_entry(contract.WINDOW_OFFSETS, "int64", [config.num_hidden_layers, config.kv_heads])]
         * window_offsets
-        + [_io_entry(io.LOGITS_TO_KEEP, "int64", [1])],
+        + [_io_entry(contract.LOGITS_TO_KEEP, "int64", [1])],
         "outputs": outputs,
         "special_tokens": _special_tokens(config, tokenizer_special_ids or {}),
         "text": asdict(text or TextRules()),
@@ -178,4 +193,4 @@ def check_graph_matches(model_path: Path, manifest: dict) -> None:
             f"{kind} {a['name']}: graph {a} != manifest {e}" for a, e in zip(actual, expected, strict=True) if a != e
         ]
     if problems:
-        raise ValueError(f"the ONNX graph does not match {io.MANIFEST_NAME}:\n  " + "\n  ".join(problems))
+        raise ValueError(f"the ONNX graph does not match {contract.MANIFEST_NAME}:\n  " + "\n  ".join(problems))

@@ -19,7 +19,7 @@ from exporters.graph import passes
 from exporters.graph.translations import translations
 from exporters.graph.wrappers import ExportableFox
 from kvg_export import FoxForCausalLM
-from runtime import contract as io
+from runtime import contract
 from runtime.contract import DYNAMIC_MAX_POSITIONS, WINDOW_OFFSETS, CacheLayout, cache_shape
 
 EXAMPLE_BATCH, EXAMPLE_PAST, EXAMPLE_SEQ = 2, 3, 4
@@ -47,19 +47,19 @@ def example_inputs(model: FoxForCausalLM, layout: CacheLayout, max_cache_len: in
 def dynamic_shapes(layout: CacheLayout, max_batch: int, max_seq: int, window_offsets: bool) -> dict:
     """Shapes by the wrapper's parameters: input_ids, attention_mask, one tuple for its `*rest`, and its
     window_offsets when the graph takes them (one per layer and kv head: a fixed shape)."""
-    batch = Dim(io.BATCH_AXIS, min=1, max=max_batch)
-    seq = Dim(io.SEQ_AXIS, min=1, max=max_seq)
+    batch = Dim(contract.BATCH_AXIS, min=1, max=max_batch)
+    seq = Dim(contract.SEQ_AXIS, min=1, max=max_seq)
     if layout.static:
         # The window stops one short of the buffer for tracing only: a full-length slice is contiguous and a
         # shorter one is not, and torch.export guards on that. The ONNX graph is the same for every window.
-        mask, rest = {0: batch, 1: Dim(io.WINDOW_AXIS, min=1, max=max_seq - 1)}, [{0: seq}]
+        mask, rest = {0: batch, 1: Dim(contract.WINDOW_AXIS, min=1, max=max_seq - 1)}, [{0: seq}]
         per_field = {f: {0: batch} for f in layout.fields}
     else:
-        past = Dim(io.PAST_AXIS, min=0, max=max_seq)
-        mask, rest = {0: batch, 1: Dim(io.TOTAL_AXIS, min=1, max=2 * max_seq)}, []
-        per_field = {f: ({0: batch} if io.is_shift_state(f) else {0: batch, 2: past}) for f in layout.fields}
+        past = Dim(contract.PAST_AXIS, min=0, max=max_seq)
+        mask, rest = {0: batch, 1: Dim(contract.TOTAL_AXIS, min=1, max=2 * max_seq)}, []
+        per_field = {f: ({0: batch} if contract.is_shift_state(f) else {0: batch, 2: past}) for f in layout.fields}
     rest += [per_field[f] for _ in range(layout.num_layers) for f in layout.fields]
-    shapes = {io.INPUT_IDS: {0: batch, 1: seq}, io.ATTENTION_MASK: mask, "rest": tuple(rest)}
+    shapes = {contract.INPUT_IDS: {0: batch, 1: seq}, contract.ATTENTION_MASK: mask, "rest": tuple(rest)}
     return shapes | ({WINDOW_OFFSETS: None} if window_offsets else {})
 
 
@@ -91,17 +91,21 @@ def export_program(
 
 def _axis_names(layout: CacheLayout, name: str) -> list[str | None]:
     """Contract names of each axis of a graph input or output; None keeps a fixed size."""
-    length = None if layout.static else (io.PAST_AXIS if name.startswith(io.PAST_PREFIX) else io.TOTAL_AXIS)
-    batch = io.BATCH_AXIS
-    if name in (io.INPUT_IDS, io.LOGITS):
-        return [batch, io.SEQ_AXIS] + ([None] if name == io.LOGITS else [])
-    if name == io.ATTENTION_MASK:
-        return [batch, io.WINDOW_AXIS if layout.static else io.TOTAL_AXIS]
-    if name == io.CACHE_POSITION:
-        return [io.SEQ_AXIS]
+    length = (
+        None
+        if layout.static
+        else (contract.PAST_AXIS if name.startswith(contract.PAST_PREFIX) else contract.TOTAL_AXIS)
+    )
+    batch = contract.BATCH_AXIS
+    if name in (contract.INPUT_IDS, contract.LOGITS):
+        return [batch, contract.SEQ_AXIS] + ([None] if name == contract.LOGITS else [])
+    if name == contract.ATTENTION_MASK:
+        return [batch, contract.WINDOW_AXIS if layout.static else contract.TOTAL_AXIS]
+    if name == contract.CACHE_POSITION:
+        return [contract.SEQ_AXIS]
     if name == WINDOW_OFFSETS:
         return [None, None]
-    if io.is_shift_state(name):
+    if contract.is_shift_state(name):
         return [batch, None]
     if name.endswith("gate"):
         return [batch, None, length]

@@ -92,21 +92,35 @@ def fox_attention(
         query_heads = slice(head * group, (head + 1) * group)
         gates[:, query_heads, own] = log_gates[:, query_heads]
         width = window - begin
-        sums = gates[:, query_heads, :width].double().cumsum(-1)  # [batch, group, width]
-        decay = sums.index_select(-1, own).unsqueeze(-1) - sums.unsqueeze(-2)  # c_i - c_j [batch, group, seq, width]
-        slots = torch.arange(width, device=query.device)
-        seeable = real[:, None, None, begin:] | (slots == own.unsqueeze(-1))  # [batch, 1, seq, width]
-        visible = seeable & (slots <= own.unsqueeze(-1))
-        scores = queries[:, :, query_heads].transpose(1, 2).float() @ keys[:, head, :width].float().mT.unsqueeze(1)
-        scores = scores * head_dim**-0.5 + decay.float()
-        scores = scores.masked_fill(~visible, float("-inf"))
-        weights = torch.softmax(scores, dim=-1)
-        out[:, :, query_heads] = (weights @ values[:, head, :width].float().unsqueeze(1)).transpose(1, 2).to(out.dtype)
+        out[:, :, query_heads] = _attend_head(
+            queries[:, :, query_heads], keys[:, head, :width], values[:, head, :width], gates[:, query_heads, :width],
+            real[:, begin:], own,
+        ).to(out.dtype)  # fmt: skip
     out = _normalized(out.flatten(2), output_norm, head_dim, output_norm_epsilon)
     if output_gate_logits is not None:
         activation = torch.sigmoid if output_gate_activation == "sigmoid" else F.silu
         out = activation(output_gate_logits) * out
     return out, keys, values, gates, key_state, value_state
+
+
+def _attend_head(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, gates: torch.Tensor, real: torch.Tensor,
+    own: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """One kv head's attention: its query heads `[batch, seq, group, head_dim]` over its window's keys and values
+    `[batch, width, head_dim]`, with its query heads' log gates `[batch, group, width]` (the decay summed in float64),
+    the window's real slots `[batch, width]` and the new tokens' own slots `[seq]`; `[batch, seq, group, head_dim]`
+    in float32."""
+    width = keys.shape[1]
+    sums = gates.double().cumsum(-1)  # [batch, group, width]
+    decay = sums.index_select(-1, own).unsqueeze(-1) - sums.unsqueeze(-2)  # c_i - c_j [batch, group, seq, width]
+    slots = torch.arange(width, device=queries.device)
+    seeable = real[:, None, None, :] | (slots == own.unsqueeze(-1))  # [batch, 1, seq, width]
+    visible = seeable & (slots <= own.unsqueeze(-1))
+    scores = queries.transpose(1, 2).float() @ keys.float().mT.unsqueeze(1)
+    scores = scores * keys.shape[-1] ** -0.5 + decay.float()
+    weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    return (weights @ values.float().unsqueeze(1)).transpose(1, 2)
 
 
 def _shifted(raw, logits, state, keep, kv_heads) -> tuple[torch.Tensor, torch.Tensor]:

@@ -119,19 +119,14 @@ def train(
         while state["step"] < last:
             began, step = time.perf_counter(), state["step"]
             rate = recipe.learning_rate_at(step)
-            for group in optimizer.param_groups:
-                group["lr"] = rate
-            loss = step_loss(data.batch(recipe.seed, step, recipe.batch_size, recipe.seq_len))
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            batch = data.batch(recipe.seed, step, recipe.batch_size, recipe.seq_len)
+            loss = _optimizer_step(model, optimizer, step_loss, batch, rate, recipe.grad_clip)
             state["step"] = step = step + 1
-            state["train_losses"].append((step, loss.item()))
+            state["train_losses"].append((step, loss))
             recent.append(time.perf_counter() - began)
             bar.update()
             bar.set_postfix_str(
-                f"loss {loss.item():.3f}, {tokens_per_step * len(recent) / sum(recent):,.0f} tok/s, lr {rate:.2e}"
+                f"loss {loss:.3f}, {tokens_per_step * len(recent) / sum(recent):,.0f} tok/s, lr {rate:.2e}"
             )
             if step % recipe.eval_every == 0 or step == recipe.steps:
                 windows = data.evaluation_windows("validation", recipe.seq_len, recipe.eval_windows)
@@ -145,17 +140,33 @@ def train(
                 save_checkpoint(checkpoint, model, data.tokenizer, preset, optimizer, state)
     except KeyboardInterrupt:
         bar.close()
-        if (checkpoint / STATE_NAME).is_file():
-            saved = torch.load(checkpoint / STATE_NAME, weights_only=True)["step"]
-            log(f"interrupted at step {state['step']}; the same command resumes from the checkpoint of step {saved}")
-        else:
-            log(f"interrupted at step {state['step']}, before the first checkpoint; the same command starts over")
+        log(_interrupted(checkpoint, state["step"]))
         raise
     bar.close()
     if state["step"] < recipe.steps:
         log(f"paused at step {state['step']} of {recipe.steps}; the same command resumes from {checkpoint}")
         return None
     return _finish(preset, run_dir, model, data, recipe, state, log)
+
+
+def _optimizer_step(model, optimizer, step_loss, batch: torch.Tensor, rate: float, grad_clip: float) -> float:
+    """One step of the recipe's optimizer at learning rate `rate` on `batch`; its loss."""
+    for group in optimizer.param_groups:
+        group["lr"] = rate
+    loss = step_loss(batch)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def _interrupted(checkpoint: Path, step: int) -> str:
+    """What an interrupted run says: where the same command goes on from."""
+    if not (checkpoint / STATE_NAME).is_file():
+        return f"interrupted at step {step}, before the first checkpoint; the same command starts over"
+    saved = torch.load(checkpoint / STATE_NAME, weights_only=True)["step"]
+    return f"interrupted at step {step}; the same command resumes from the checkpoint of step {saved}"
 
 
 def _finish(preset, run_dir, model, data: TrainingData, recipe: TrainingRecipe, state: dict, log) -> Path:

@@ -161,7 +161,7 @@ class DeviceCache:
         return self.again
 
     def hold(self) -> None:
-        """Remember where the cache is, to come back to after several runs (a draft model's round of guesses, see
+        """Remember where the cache is, to come back to after several runs (a draft model's round of drafts, see
         runtime/speculative/draft_model.py): the filled positions and the shift states, which the runs overwrite."""
         self.held = self.filled, self.states.snapshot()
 
@@ -187,16 +187,17 @@ class DeviceCache:
             self.past[past] = buffers.from_host(np.ascontiguousarray(host), self.dtypes[past], self.device)
 
     def prepare_chunk(
-        self, mask: np.ndarray, filled: int, new: int, rows=slice(None), cadence: bool = False
+        self, mask: np.ndarray, filled: int, new: int, generating=slice(None), cadence: bool = False
     ) -> tuple[int, int, np.ndarray]:  # fmt: skip
         """Before a run of up to `new` positions after the first `filled` of `mask` `[batch, >= filled + new]`:
-        make room for them (PrunedWindow.make_room over `rows`, those still generating; None: drop nothing, as for
+        make room for them (PrunedWindow.make_room over `generating`, the rows still generating; None: drop nothing,
+        as for
         a prompt prefilled row by row) and grow the buffers to hold them. Returns how many of them fit (all,
         without pruning: `Model.check_request` saw to that), the slot the first is written to, and the run's
         attention mask."""
-        if rows is not None:
+        if generating is not None:
             held = None if self.held is None else self.held[0]  # never drop a position `rewind` may go back to
-            new, moved = self.window.make_room(self.past, filled, new, rows, cadence, held)
+            new, moved = self.window.make_room(self.past, filled, new, generating, cadence, held)
             self.stale_bindings |= moved  # a layer's presents may now come folded, or no longer
         slot = filled - self.window.offset
         self.reserve(slot + new)
@@ -243,11 +244,12 @@ class DeviceCache:
         self.states.bind_row(binding, row, chunk, chunks)
         self.stale_bindings = True  # the next decode step binds every row again
 
-    def bind_step(self, binding: ort.IOBinding, following: ort.IOBinding, rows: int, fresh: bool) -> None:
+    def bind_step(self, binding: ort.IOBinding, following: ort.IOBinding, rows: int, resized: bool) -> None:
         """Before a decode step on `binding` (of all `rows`, the cache's batch), the next one to run on `following`:
         decode steps alternate between two bindings as the shift states' buffers do, so each is bound in full only
-        when it is `fresh` or its bindings are stale; in between, only the fed-back tensors change."""
-        if fresh or self.stale_bindings:
+        when `resized` (the row count changed) or its bindings are stale; in between, only the fed-back tensors
+        change."""
+        if resized or self.stale_bindings:
             self.bind(following, ahead=True)
             self.bind(binding)
             self.stale_bindings = False

@@ -57,8 +57,10 @@ class PrunedWindow:
         """Whether the layer's heads' windows are staggered (its runs then give its keys and values folded)."""
         return self.offsets[layer].min() != self.offsets[layer].max()
 
-    def make_room(self, past: dict[str, ort.OrtValue], filled: int, new: int, rows, cadence: bool, held: int | None):
-        """Before a run of up to `new` positions after `filled`: drop the slots that `rows` (those still generating)
+    def make_room(
+        self, past: dict[str, ort.OrtValue], filled: int, new: int, generating, cadence: bool, held: int | None
+    ):
+        """Before a run of up to `new` positions after `filled`: drop the slots that the rows `generating` (an index)
         no longer need, at least every PRUNE_EVERY positions, every chunk of a prompt (unless `cadence`: a decode
         run's drafts) and whenever the new ones would not fit otherwise, never past position `held` (where a rewind
         may go back to). Returns how many of the `new` positions fit, and whether the windows moved; raises
@@ -70,7 +72,7 @@ class PrunedWindow:
             return new, False
         self.pruned_at = filled
         slots = filled - self.dropped  # per layer and kv head
-        needs = self._needs(past, slots, rows)  # [layers, heads]
+        needs = self._needs(past, slots, generating)  # [layers, heads]
         group = needs.shape[1] // self.heads
         kept = needs.reshape(len(needs), self.heads, group).max(-1)  # per layer and kv head
         if self.kind == "one":
@@ -92,13 +94,13 @@ class PrunedWindow:
         self.offsets[:] = offsets
         return room, moved
 
-    def _needs(self, past: dict[str, ort.OrtValue], slots: np.ndarray, rows) -> np.ndarray:
-        """How many of its newest slots each query head still needs in some of `rows`, `[layers, heads]`
+    def _needs(self, past: dict[str, ort.OrtValue], slots: np.ndarray, generating) -> np.ndarray:
+        """How many of its newest slots each query head still needs in some of the rows `generating`, `[layers, heads]`
         (`slots`: what each kv head's rows hold). Each layer's gates are read as long as its longest rows: a
         head's slots past its own are zero (see DeviceCache.reset), which adds nothing to its sums and is never
         droppable, so it needs what it needs of its own, less the slots it lacks."""
         longest = slots.max(1)
-        gates = [buffers.to_host(past[name], "float32")[rows, :, :filled]
+        gates = [buffers.to_host(past[name], "float32")[generating, :, :filled]
                  for name, filled in zip(self.gate_names, longest, strict=True)]  # fmt: skip
         lacking = (longest[:, None] - slots).repeat(self.thresholds.shape[1] // self.heads, axis=1)
         return needed_slots(gates, self.thresholds) - lacking

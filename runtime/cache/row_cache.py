@@ -73,13 +73,13 @@ class RowCache:
 
     feeds_back = False  # every tensor is written where it lies: a step's outputs are never bound as the next's inputs
 
-    def bind_step(self, binding: ort.IOBinding, following: ort.IOBinding, rows: int, fresh: bool) -> None:
+    def bind_step(self, binding: ort.IOBinding, following: ort.IOBinding, rows: int, resized: bool) -> None:
         """Before a decode step over rows [0, rows) on `binding`, the next one to run on `following`: both are bound
-        when `fresh` (the row count changed) and then kept, keys, values and gates in place, and the shift states
+        when `resized` (the row count changed) and then kept, keys, values and gates in place, and the shift states
         read from one buffer and written to the other, the two bindings reading them from opposite ones. A row
         that leaves the steps is free: its shift state is not kept (a request that joins brings its own, see
         `bind_row`)."""
-        if fresh:
+        if resized:
             self.bind(binding, rows)
             self.bind(following, rows, ahead=True)
 

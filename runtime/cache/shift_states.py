@@ -73,19 +73,20 @@ class ShiftStates:
         for past in self.current:
             self.current[past], self.spare[past] = self.spare[past], self.current[past]
 
-    def keep(self, rows, kept: int) -> bool:
-        """`rows` (an index of the leading axis) keep the latest run's first `kept` tokens: their states become
+    def keep(self, selected, kept: int) -> bool:
+        """The rows `selected` (an index of the leading axis) keep the latest run's first `kept` tokens: their states
+        become
         those after the last kept token where the graph gave them; else they go back to the states the run read.
         Returns whether they went back (the tokens kept must then be fed again)."""
         for past, states in self.after_token.items():
             with buffers.on_host(self.current[past], self.dtypes[past], self.device) as host:
-                host[rows] = states[rows, kept - 1]
+                host[selected] = states[selected, kept - 1]
         if self.after_token or not self.pairs:
             return False
         for past in self.current:
             read = buffers.to_host(self.spare[past], self.dtypes[past])
             with buffers.on_host(self.current[past], self.dtypes[past], self.device) as host:
-                host[rows] = read[rows]
+                host[selected] = read[selected]
         return True
 
     def snapshot(self) -> dict[str, np.ndarray]:

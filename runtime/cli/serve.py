@@ -47,7 +47,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_speculative_arguments(parser)
     speculating = (
         "with --speculative, the most requests running for a step to verify drafts (default: any number with ngram, 1 "
-        "with a draft model, which guesses a run a request)"
+        "with a draft model, which drafts a run a request)"
     )
     parser.add_argument("--speculative-max-rows", type=int, default=SPECULATIVE_MAX_ROWS, help=speculating)
     parser.add_argument(

@@ -35,7 +35,7 @@ from runtime.decode.step import DecodeStep
 from runtime.errors import ArtifactError, QueueFull, RequestError, ShuttingDown
 
 NO_DRAFTS = np.zeros((1, 0), dtype=np.int64)
-SPECULATIVE_MAX_ROWS = None  # each proposer's own `rows` (bench/README.md: speculative decoding)
+SPECULATIVE_MAX_ROWS = None  # each proposer's own `max_rows` (bench/README.md: speculative decoding)
 PREFILL_BUDGET = 64  # prompt tokens prefilled between two decode steps, by default (bench/README.md: serving)
 PREFIX_CACHE_MB = 256  # kvg-serve's memory for recent prompts' prefixes, by default
 
@@ -52,7 +52,7 @@ class _Row:
         return self.search.tokens[0]
 
     @property
-    def feeds_left(self) -> int:
+    def steps_left(self) -> int:
         """Decode steps the row may still take: each feeds its last token and yields the next."""
         return self.request.config.max_new_tokens - len(self.generated)
 
@@ -64,14 +64,14 @@ class _Row:
 
 def speculation_limit(running: list[tuple[int, _Row]], most: int | None) -> float:
     """The most rows running for a step to verify drafts: `most` (the engine's speculative_max_rows), else the least
-    `rows` of the running requests' proposers."""
+    `max_rows` of the running requests' proposers."""
     if most is not None:
         return most
     proposers = (row.request.config.speculative for _, row in running)
-    return min((proposer.rows for proposer in proposers if proposer is not None), default=math.inf)
+    return min((proposer.max_rows for proposer in proposers if proposer is not None), default=math.inf)
 
 
-def _feeds(config: GenerationConfig) -> int:
+def _steps(config: GenerationConfig) -> int:
     """Decode steps a request takes: each feeds a token back but the last new one (none when it asks for none)."""
     return max(config.max_new_tokens - 1, 0)
 
@@ -101,10 +101,10 @@ class Engine:
         """`prefill_budget`: prompt tokens prefilled between two decode steps (a waiting request's prompt is
         prefilled in chunks of at most that many, so the running rows wait at most one chunk a step);
         `prefix_cache_bytes`: the memory recent prompts' prefixes may keep (0: none; runtime/cache/prefix_cache.py);
-        `speculative`: how a request that names none guesses the tokens a step verifies (None: it does not);
+        `speculative`: how a request that names none drafts the tokens a step verifies (None: it does not);
         `speculative_max_rows`: the most rows running for a step to verify drafts (vLLM's
-        speculative_disable_by_batch_size; None: the running requests' proposers' own `rows`, any number for
-        prompt lookup and one for a draft model, which guesses a run a row): a batch reads the weights once for
+        speculative_disable_by_batch_size; None: the running requests' proposers' own `max_rows`, any number for
+        prompt lookup and one for a draft model, which drafts a run a row): a batch reads the weights once for
         every row already, so where a model's step is the weights' reading, a wide step's extra tokens can cost
         more than they save once a few rows run. `clock`: the seconds that requests' deadlines are read on (a test
         gives its own)."""
@@ -119,7 +119,7 @@ class Engine:
         self.cache = RowCache(model.artifact, max_batch)
         self.prefiller = Prefiller(model, self.cache, prefill_budget, self.prefixes)
         self.rows: list[_Row | None] = [None] * max_batch
-        self.decode_one_token = DecodeStep(model.artifact, self.cache, model.artifact.session.run_with_iobinding)
+        self.decode_step = DecodeStep(model.artifact, self.cache, model.artifact.session.run_with_iobinding)
         self.drafts_proposed = self.drafts_accepted = 0  # by the requests that ended, for /metrics
         self.waiting: deque[Request] = deque()
         self._wake = threading.Condition()
@@ -149,7 +149,7 @@ class Engine:
         self.model.check_request([prompt], replace(config, max_new_tokens=max(config.max_new_tokens, 1)))
         if config.speculative is not None:
             self.model.check_runs_of_tokens(self.cache.rows)
-        needed = len(prompt) + self._reserved(_feeds(config))
+        needed = len(prompt) + self._reserved(_steps(config))
         if self.model.pruning is not None and needed > self.cache.length:  # else check_request saw to it
             raise RequestError(
                 f"prompt ({len(prompt)} tokens) and the next {needed - len(prompt)} new ones need {needed} cache "
@@ -250,8 +250,8 @@ class Engine:
         row = next((i for i, other in enumerate(self.rows) if other is None and i != self._filling_row), None)
         if self.filling is not None or row is None or (request := self._next_waiting()) is None:
             return
-        running = [other.feeds_left for other in self.rows if other is not None]
-        reserved = max(self._reserved(feeds) for feeds in [*running, _feeds(request.config)])
+        running = [other.steps_left for other in self.rows if other is not None]
+        reserved = max(self._reserved(steps) for steps in [*running, _steps(request.config)])
         self.filling = self.prefiller.place(request, row, reserved)
         if self.filling is not None:  # else it fits once running rows end: it stays first in the queue
             with self._wake:
@@ -322,7 +322,7 @@ class Engine:
         for index, tokens in fed.items():
             ids[index, : len(tokens)] = tokens
         try:
-            logits = self.decode_one_token(ids)
+            logits = self.decode_step(ids)
         except Exception as error:  # nothing of this step is usable: its requests fail, later ones go on
             self._fail_running(f"decode step failed: {error}")
             return

@@ -133,8 +133,8 @@ class Generator:
         cache: DeviceCache,
     ):  # fmt: skip
         """gpt-fast's decode_n_tokens: prefill; choose and emit a token a row from each position of the latest run
-        while the drafts fed before it were chosen; feed the last chosen with the next drafts (`decode_one_token`:
-        none)."""
+        while the drafts fed before it were chosen; feed the last chosen with the next drafts (gpt-fast's
+        `decode_one_token`, a DecodeStep: with none)."""
         model, artifact = self.model, self.model.artifact
         start = time.perf_counter()
         ids, mask = left_padded(prompts, model.pad, config.max_new_tokens)
@@ -145,7 +145,7 @@ class Generator:
         prefill_s, first_token_s, step_logits = run.seconds, None, []
         search = Search(config, prompts, model.eos, model.pad, model.grammar(config.constraint))
         texts = [TextStream(model.tokenizer) for _ in prompts] if text_events and model.tokenizer else None
-        decode_one_token = DecodeStep(artifact, cache, run)
+        decode_step = DecodeStep(artifact, cache, run)
         fed, lead, outputs = ids[:, -1:], 0, logits[:, None]  # the latest run's tokens (`lead` of them fed again)
         while True:  # and its logits at each position after those
             drafts = fed[:, lead + 1 : lead + outputs.shape[1]]
@@ -165,7 +165,7 @@ class Generator:
                 break
             drafts, latest = search.drafts(), chosen[:, None]  # one step: the tokens fed again, the latest, its drafts
             fed = np.concatenate([fed[:, :lead], latest, drafts], axis=1) if lead or drafts.size else latest
-            outputs = decode_one_token(fed)[:, lead:]
+            outputs = decode_step(fed)[:, lead:]
         return self._result(search, cache, run, time.perf_counter() - start, first_token_s, prefill_s, step_logits)
 
     def _result(

@@ -123,8 +123,8 @@ def prefill(
     for part in [slice(row, row + 1) for row in range(batch)] if by_row else [slice(0, batch)]:
         pieces, filled, chunk, chunks = [], 0, 0, -(-width // step)  # by row, every chunk is whole
         while filled < width:
-            rows = None if by_row else slice(None)  # by row, nothing is pruned
-            new, slot, window = cache.prepare_chunk(mask[part], filled, min(step, width - filled), rows)
+            generating = None if by_row else slice(None)  # by row, nothing is pruned
+            new, slot, window = cache.prepare_chunk(mask[part], filled, min(step, width - filled), generating)
             bind_chunk(binding, artifact, ids[part, filled : filled + new], window, slot, cache.device,
                        not every_position)  # fmt: skip
             if by_row:

@@ -3,7 +3,7 @@
 The Generator runs one Search over its batch and the engine one per request, so sampling, the repetition
 penalty's context, the stop tokens banned before min_new_tokens and the end test are written once. Rows advance
 together: every running row takes one token a step, and a row that has ended is given padding. With speculation,
-the search also keeps each row's guesser, proposes the tokens a run verifies, and judges them as it chooses.
+the search also keeps each row's drafter, proposes the tokens a run verifies, and judges them as it chooses.
 """
 
 from __future__ import annotations
@@ -18,26 +18,26 @@ from runtime.decode.sampling import Sampler, SamplingConfig
 from runtime.structured.constraints import Constraint, Grammar
 
 
-class Guesser(Protocol):
-    """One row's guesses (runtime/speculative/prompt_lookup.py's Lookup, runtime/speculative/draft_model.py's
-    Drafting)."""
+class Drafter(Protocol):
+    """One row's drafts (runtime/speculative/prompt_lookup.py's LookupDrafter, runtime/speculative/draft_model.py's
+    ModelDrafter)."""
 
-    distributions: Sequence[np.ndarray]  # the latest guesses' q where drawn from one (see `Sampler.verify`)
+    distributions: Sequence[np.ndarray]  # the latest drafts' q where drawn from one (see `Sampler.verify`)
 
     def push(self, token: int) -> None: ...  # the row's next token, as chosen
 
-    def propose(self, most: int) -> list[int]: ...  # up to `most` guesses of the tokens after those pushed
+    def propose(self, most: int) -> list[int]: ...  # up to `most` drafts of the tokens after those pushed
 
 
 class Proposer(Protocol):
-    """How a request's tokens are guessed (PromptLookup, DraftModel)."""
+    """How a request's tokens are drafted (PromptLookup, DraftModel)."""
 
-    tokens: int  # the most guesses a run verifies
-    rows: float  # the most running rows beside which its guesses pay (the engine's default speculative_max_rows)
+    tokens: int  # the most drafts a run verifies
+    max_rows: float  # the most running rows beside which its drafts pay (the engine's default speculative_max_rows)
 
     def check(self, target, prompts: list[list[int]], config: GenerationConfig) -> None: ...  # raises if it cannot
 
-    def start(self, prompt: list[int], config: GenerationConfig) -> Guesser: ...
+    def start(self, prompt: list[int], config: GenerationConfig) -> Drafter: ...
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class GenerationConfig:
     stop_tokens: tuple[int, ...] = ()  # besides the model's eos ids
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     prefill_chunk: int = 256  # prompts are prefilled in chunks of at most this many tokens (see prefill.chunk_size)
-    speculative: Proposer | None = None  # how to guess the tokens a run verifies at once (None: one a run)
+    speculative: Proposer | None = None  # how to draft the tokens a run verifies at once (None: one a run)
     constraint: Constraint | None = None  # what the text must be (runtime/structured/constraints.py; None: anything)
 
 
@@ -70,7 +70,7 @@ class Search:
         self.steps = 0  # tokens chosen so far, per running row
         self.taken: list[tuple[int, int, bool]] = []  # what the latest `record` took: (row, token, last)
         speculative = config.speculative
-        self.guessers = None if speculative is None else [speculative.start(prompt, config) for prompt in prompts]
+        self.drafters = None if speculative is None else [speculative.start(prompt, config) for prompt in prompts]
         self.matchings = None if grammar is None else [grammar.start(self.stop_ids) for _ in prompts]
         self.no_drafts = np.zeros((len(prompts), 0), dtype=np.int64)
         self.latest, self.drawn_from = self.no_drafts, ()  # the latest drafts, and the q of each where drawn
@@ -115,8 +115,8 @@ class Search:
             if self.reasons[row] is not None:
                 continue
             self.tokens[row].append(token)
-            if self.guessers is not None:
-                self.guessers[row].push(token)
+            if self.drafters is not None:
+                self.drafters[row].push(token)
             if self.matchings is not None:
                 self.matchings[row].push(token)
             if self.context is not None:
@@ -130,36 +130,36 @@ class Search:
         return taken
 
     def drafts(self, room: int | None = None) -> np.ndarray:
-        """The tokens to verify after each row's latest `[rows, d]`: as many as every running row's guesser has, within
+        """The tokens to verify after each row's latest `[rows, d]`: as many as every running row's drafter has, within
         the budget, the room max_new_tokens leaves to choose, and `room` (None: any); padding for a row that has
         ended."""
         most = min(self.budget, self.config.max_new_tokens - self.steps - 1)  # d drafts choose up to d + 1 tokens
         most = most if room is None else min(most, room)
-        if self.guessers is None or most < 1:
+        if self.drafters is None or most < 1:
             self.latest, self.drawn_from = self.no_drafts, ()
             return self.no_drafts
-        guesses = [
-            None if ended else guesser.propose(most) for guesser, ended in zip(self.guessers, self.ended, strict=True)
+        proposed = [
+            None if ended else drafter.propose(most) for drafter, ended in zip(self.drafters, self.ended, strict=True)
         ]
-        if self.matchings is not None:  # a guess the constraint refuses is never chosen: not worth verifying
-            guesses = [
-                guess if guess is None else matching.valid_prefix(guess)
-                for guess, matching in zip(guesses, self.matchings, strict=True)
+        if self.matchings is not None:  # a draft the constraint refuses is never chosen: not worth verifying
+            proposed = [
+                row if row is None else matching.valid_prefix(row)
+                for row, matching in zip(proposed, self.matchings, strict=True)
             ]
-        count = min(len(guess) for guess in guesses if guess is not None)
-        drafts = np.full((len(guesses), count), self.pad, dtype=np.int64)
-        for row, guess in enumerate(guesses):
-            if guess is not None:
-                drafts[row] = guess[:count]
+        count = min(len(row) for row in proposed if row is not None)
+        drafts = np.full((len(proposed), count), self.pad, dtype=np.int64)
+        for index, row in enumerate(proposed):
+            if row is not None:
+                drafts[index] = row[:count]
         self.proposed += count
         # A draft model drafts for one row (DraftModel.check); a drawn draft carries its q
-        self.latest, self.drawn_from = drafts, self.guessers[0].distributions[:count] if len(guesses) == 1 else ()
+        self.latest, self.drawn_from = drafts, self.drafters[0].distributions[:count] if len(proposed) == 1 else ()
         return drafts
 
     def accepts(self, chosen: np.ndarray, drafts: np.ndarray, index: int) -> bool:
         """Whether the tokens just `chosen` are the drafts at `index` in every row that took one, and a row still runs:
         then the logits after those drafts hold. So speculation chooses the very tokens that one token a run would
-        (a sampled choice too: a draft is kept with the probability the target gives it, the rule for a guess that
+        (a sampled choice too: a draft is kept with the probability the target gives it, the rule for a draft that
         is one token for certain)."""
         if index >= drafts.shape[1]:
             if index:  # the run's drafts were all chosen

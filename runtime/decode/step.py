@@ -31,7 +31,7 @@ class StepCache(Protocol):
     # how many of `width` tokens a row fit, the slot the first is written to, and the step's attention mask
     def prepare_step(self, rows: int, width: int) -> tuple[int, int, np.ndarray]: ...
 
-    def bind_step(self, binding: ort.IOBinding, following: ort.IOBinding, rows: int, fresh: bool) -> None: ...
+    def bind_step(self, binding: ort.IOBinding, following: ort.IOBinding, rows: int, resized: bool) -> None: ...
 
     # after the step: `outputs` where `feeds_back`; `states`, each shift state's value after each of the step's
     # tokens `[rows, width, state]` where the artifact gives them (the state to keep when a row keeps fewer tokens)
@@ -64,18 +64,18 @@ class DecodeStep:
         if width not in self.sized:
             shapes = {INPUT_IDS: ((rows, width), np.int64), CACHE_POSITION: ((width,), np.int64),
                       LOGITS: ((rows, width, self.artifact.vocab_size), np.float32)}  # fmt: skip
-            io = {}
+            tensors = {}
             for name in (*self.inputs, LOGITS):
                 array = np.empty(*shapes[name])
-                io[name] = (array, ort.OrtValue.ortvalue_from_numpy(array, self.cache.device, 0))
+                tensors[name] = (array, ort.OrtValue.ortvalue_from_numpy(array, self.cache.device, 0))
             states = {past: np.empty((rows, width, size), dtype=np.float32) for past, size in self.state_widths.items()}
             for past, name in self.state_outputs.items():  # read on the host, where a row keeps fewer tokens
-                io[name] = (states[past], ort.OrtValue.ortvalue_from_numpy(states[past]))
-            self.sized[width] = io, states
+                tensors[name] = (states[past], ort.OrtValue.ortvalue_from_numpy(states[past]))
+            self.sized[width] = tensors, states
         return self.sized[width]
 
-    def _bind(self, binding: ort.IOBinding, io: dict[str, tuple[np.ndarray, ort.OrtValue]]) -> None:
-        for name, (_, value) in io.items():
+    def _bind(self, binding: ort.IOBinding, tensors: dict[str, tuple[np.ndarray, ort.OrtValue]]) -> None:
+        for name, (_, value) in tensors.items():
             bind = binding.bind_ortvalue_input if name in self.inputs else binding.bind_ortvalue_output
             bind(name, value)
 
@@ -85,27 +85,27 @@ class DecodeStep:
         fewer (never for fewer than one)."""
         rows = len(tokens)
         width, slot, mask = self.cache.prepare_step(rows, tokens.shape[1])
-        fresh = rows != self.rows
-        io, states = self._buffers(rows, width)
+        resized = rows != self.rows
+        tensors, states = self._buffers(rows, width)
         turn = self.steps % 2
         binding, following = self.bindings[turn], self.bindings[1 - turn]
-        # Fresh, both bindings: the logits then come before the cache's outputs, whose order a fed-back cache reads
-        for index in (turn, 1 - turn) if fresh else (turn,):
-            if self.bound[index] is not io:
-                self._bind(self.bindings[index], io)
-                self.bound[index] = io
-        self.cache.bind_step(binding, following, rows, fresh=fresh)
+        # Resized, both bindings: the logits then come before the cache's outputs, whose order a fed-back cache reads
+        for index in (turn, 1 - turn) if resized else (turn,):
+            if self.bound[index] is not tensors:
+                self._bind(self.bindings[index], tensors)
+                self.bound[index] = tensors
+        self.cache.bind_step(binding, following, rows, resized=resized)
         on_host = self.cache.device == "cpu"
-        io[INPUT_IDS][0][...] = tokens[:, :width]
+        tensors[INPUT_IDS][0][...] = tokens[:, :width]
         if self.artifact.static:
-            io[CACHE_POSITION][0][...] = range(slot, slot + width)  # written in place: no array a step
+            tensors[CACHE_POSITION][0][...] = range(slot, slot + width)  # written in place: no array a step
         if not on_host:
             for name in self.inputs:
-                host, device = io[name]
+                host, device = tensors[name]
                 device.update_inplace(host)
         binding.bind_cpu_input(ATTENTION_MASK, mask)
         self.run(binding)
         self.steps += 1
         self.cache.advance(binding.get_outputs() if self.cache.feeds_back else None, width, states)
-        host, device = io[LOGITS]
+        host, device = tensors[LOGITS]
         return host if on_host else device.numpy()

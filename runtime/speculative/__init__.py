@@ -1,1 +1,1 @@
-"""Speculative decoding: the guessers (prompt lookup, a draft model) whose tokens a step verifies at once."""
+"""Speculative decoding: the drafters (prompt lookup, a draft model) whose tokens a step verifies at once."""

@@ -1,10 +1,10 @@
-"""A draft model: a smaller artifact with the target's tokenizer guesses the tokens that come next, one run each, and
+"""A draft model: a smaller artifact with the target's tokenizer drafts the tokens that come next, one run each, and
 the target verifies them all in one run (see `Generator._decode`, `Engine._step`).
 
 The draft keeps a cache of its own, which holds the text the target has chosen. Each round feeds it the tokens
-chosen since the last (the accepted guesses and the token after them) in one run, remembers the cache there
-(`DeviceCache.hold`), guesses a token a run, and goes back (`DeviceCache.rewind`): the keys, values and gates of
-its guesses are dropped, and FoX-Pro's shift states are those after the last chosen token again. transformers'
+chosen since the last (the accepted drafts and the token after them) in one run, remembers the cache there
+(`DeviceCache.hold`), drafts a token a run, and goes back (`DeviceCache.rewind`): the keys, values and gates of
+its drafts are dropped, and FoX-Pro's shift states are those after the last chosen token again. transformers'
 `assistant_model` is this; like its assisted decoding, a draft model drafts for one prompt at a time.
 """
 
@@ -28,11 +28,11 @@ from runtime.errors import RequestError
 
 @dataclass(frozen=True)
 class DraftModel:
-    """Guess up to `tokens` tokens a run with `model` (greedily, or sampling as the request does)."""
+    """Draft up to `tokens` tokens a run with `model` (greedily, or sampling as the request does)."""
 
     model: Model
     tokens: int = 5
-    rows = 1  # its guesses take a run a row: beside other rows, more than they save (the engine's default)
+    max_rows = 1  # its drafts take a run a row: beside other rows, more than they save (the engine's default)
 
     def __post_init__(self) -> None:
         if self.tokens < 1:
@@ -43,7 +43,7 @@ class DraftModel:
         return cls(Model.open(folder, options), tokens)
 
     def check(self, target: Model, prompts: list[list[int]], config: GenerationConfig) -> None:
-        """Refuse a draft that cannot guess for `target`'s request, naming why: other token ids, a batch, or a request
+        """Refuse a draft that cannot draft for `target`'s request, naming why: other token ids, a batch, or a request
         its own artifact cannot hold."""
         difference = tokenizer_difference(self.model, target)
         if difference is not None:
@@ -56,14 +56,14 @@ class DraftModel:
         self.model.check_request(prompts, replace(config, speculative=None))
         self.model.check_runs_of_tokens(1)
 
-    def start(self, prompt: list[int], config: GenerationConfig) -> Drafting:
-        return Drafting(self.model, prompt, config)
+    def start(self, prompt: list[int], config: GenerationConfig) -> ModelDrafter:
+        return ModelDrafter(self.model, prompt, config)
 
 
-class Drafting:
+class ModelDrafter:
     """One request's draft, with a cache of its own for as long as the request runs."""
 
-    distributions: list[np.ndarray]  # when sampling, the latest guesses' q, each `[vocab]` (see `Sampler.verify`)
+    distributions: list[np.ndarray]  # when sampling, the latest drafts' q, each `[vocab]` (see `Sampler.verify`)
 
     def __init__(self, model: Model, prompt: list[int], config: GenerationConfig):
         artifact = model.artifact
@@ -86,7 +86,7 @@ class Drafting:
         self.text.append(token)
 
     def propose(self, most: int) -> list[int]:
-        """Up to `most` guesses after the text; none when a pruned cache could not take the tokens chosen since the
+        """Up to `most` drafts after the text; none when a pruned cache could not take the tokens chosen since the
         last round (the next round feeds the rest)."""
         chosen = np.array([self.text[self.fed :]], dtype=np.int64)
         logits = self.step(chosen)
@@ -94,15 +94,15 @@ class Drafting:
         self.distributions = []
         if self.fed < len(self.text):
             return []
-        guesses = [self._guess(logits[:, -1])]
-        if most > 1:  # guesses fed to the cache, which goes back after them
+        drafts = [self._draft(logits[:, -1])]
+        if most > 1:  # drafts fed to the cache, which goes back after them
             self.cache.hold()
-            while len(guesses) < most:
-                guesses.append(self._guess(self.step(np.array([[guesses[-1]]], dtype=np.int64))[:, -1]))
+            while len(drafts) < most:
+                drafts.append(self._draft(self.step(np.array([[drafts[-1]]], dtype=np.int64))[:, -1]))
             self.cache.rewind()
-        return guesses
+        return drafts
 
-    def _guess(self, logits: np.ndarray) -> int:
+    def _draft(self, logits: np.ndarray) -> int:
         if self.sampler is None:
             return int(logits[0].argmax())
         q = self.sampler.distribution(logits)

@@ -1,22 +1,22 @@
-"""Prompt lookup: guess the tokens that come next from what followed the text's last few tokens earlier in it.
+"""Prompt lookup: draft the tokens that come next from what followed the text's last few tokens earlier in it.
 
 What users decode (code, structured text, documents they quote from) repeats itself, so what followed an earlier
-occurrence of the last few tokens often follows now. The guesses cost no model run; the decode loop verifies them
+occurrence of the last few tokens often follows now. The drafts cost no model run; the decode loop verifies them
 all in one (see `Generator._decode`). transformers' `prompt_lookup_num_tokens` and `max_matching_ngram_size` are
 `tokens` and `ngram` here, and vLLM's `prompt_lookup_min` is `min_ngram`. Where transformers follows the earliest
-occurrence of the final n-gram, a guess here follows all the occurrences whose tokens before them match the text's
+occurrence of the final n-gram, a draft here follows all the occurrences whose tokens before them match the text's
 longest, each next token the one most of them went on with (a tie to the latest), as SuffixDecoding chooses by
 frequency, and it is as long as the match is: `tokens` after a match of `ngram` tokens, proportionally fewer after a
-shorter one (each guess verified costs a quarter to a third of a run here, and one that follows two tokens is often
+shorter one (each draft verified costs a quarter to a third of a run here, and one that follows two tokens is often
 wrong at once). Chosen by replaying each trained preset's greedy continuation of eight third-party modules (jinja2,
 requests, urllib3, fastapi, pydantic, tqdm, yaml, uvicorn) through candidate rules at the runs' measured costs,
 then measured on `make bench`'s four other modules, 15 interleaved rounds in one process: plain speed times 1.79
 (fox-py) and 1.67 (fox-pro-py), geometric means, where following the latest occurrence of a 2- to 3-gram made 1.66
-and 1.59; a file's drafts 54-98% right (were 49-98%). Replayed, a match of one token guessed poorly (min_ngram 1
-3-6% slower than 2, which 3 only matched). Replayed again (2026-12-07, prompts of 1024 and 256 tokens), guesses as
-long as their match made the tuning modules 1.3-2.7% faster than guesses of `tokens` after any match (geometric
+and 1.59; a file's drafts 54-98% right (were 49-98%). Replayed, a match of one token drafted poorly (min_ngram 1
+3-6% slower than 2, which 3 only matched). Replayed again (2026-12-07, prompts of 1024 and 256 tokens), drafts as
+long as their match made the tuning modules 1.3-2.7% faster than drafts of `tokens` after any match (geometric
 means by preset and prompt length), and the four bench modules 1.9-5.0%; cut by an oracle to the tokens that would
-be right, the same guesses would have been 4-5% faster again.
+be right, the same drafts would have been 4-5% faster again.
 """
 
 from __future__ import annotations
@@ -26,21 +26,21 @@ from dataclasses import dataclass
 
 from runtime.errors import RequestError
 
-LATEST = 16  # occurrences of the final min_ngram tokens a guess looks at (replayed: 8 to 64 guessed alike)
+LATEST = 16  # occurrences of the final min_ngram tokens a draft looks at (replayed: 8 to 64 drafted alike)
 
 
 @dataclass(frozen=True)
 class PromptLookup:
-    """How to guess: up to `tokens` tokens a run, as most of the earlier occurrences matching the text's final
+    """How to draft: up to `tokens` tokens a run, as most of the earlier occurrences matching the text's final
     `min_ngram` to `ngram` tokens longest went on."""
 
     tokens: int = 8
     ngram: int = 8
     min_ngram: int = 2
-    rows = math.inf  # guesses cost no run, so every running row may guess (the engine's default)
+    max_rows = math.inf  # drafts cost no run, so every running row may draft (the engine's default)
 
     def __post_init__(self) -> None:
-        """Refuse settings that guess nothing, as they are given."""
+        """Refuse settings that draft nothing, as they are given."""
         if self.tokens < 1 or not 1 <= self.min_ngram <= self.ngram:
             raise RequestError(
                 f"prompt lookup needs tokens (--draft-tokens) >= 1 and 1 <= min_ngram (--lookup-min-ngram) <= ngram "
@@ -48,21 +48,21 @@ class PromptLookup:
             )
 
     def check(self, target, prompts: list[list[int]], config) -> None:
-        """Any target and request can be guessed for."""
+        """Any target and request can be drafted for."""
 
-    def start(self, prompt: list[int], config=None) -> Lookup:
-        """The guesser of one row, which has read `prompt` (the request's `config` is a draft model's concern)."""
-        return Lookup(self, prompt)
+    def start(self, prompt: list[int], config=None) -> LookupDrafter:
+        """The drafter of one row, which has read `prompt` (the request's `config` is a draft model's concern)."""
+        return LookupDrafter(self, prompt)
 
 
-class Lookup:
-    """One row's text and where each run of `min_ngram` tokens occurred in it. A guess looks at the latest
+class LookupDrafter:
+    """One row's text and where each run of `min_ngram` tokens occurred in it. A draft looks at the latest
     `LATEST` occurrences of the text's final `min_ngram` tokens, keeps those whose tokens before them also match the
     text's, up to `ngram` in all, longest, and goes on as most of them went on, token by token: its cost is bounded
-    however long or repetitive the text. Occurrences are indexed when a guess is first asked for, so a row that never
-    guesses (the engine's rows while several run) costs an append a token."""
+    however long or repetitive the text. Occurrences are indexed when a draft is first asked for, so a row that never
+    drafts (the engine's rows while several run) costs an append a token."""
 
-    distributions = ()  # a guess is one token for certain: no q (see `Sampler.verify`)
+    distributions = ()  # a draft is one token for certain: no q (see `Sampler.verify`)
 
     def __init__(self, settings: PromptLookup, prompt: list[int]):
         self.settings = settings
@@ -97,18 +97,18 @@ class Lookup:
         return best, found
 
     def propose(self, most: int) -> list[int]:
-        """Up to `most` guesses, and as many of `tokens` as the match is of `ngram` (rounded up): the token most of
+        """Up to `most` drafts, and as many of `tokens` as the match is of `ngram` (rounded up): the token most of
         the longest matches went on with (a tie goes to the latest), then the next among those that went on with it,
         and so on; none when nothing matched."""
         self._index()
-        settings, text, guesses = self.settings, self.text, []
+        settings, text, drafts = self.settings, self.text, []
         matched, followed = self._longest_matches()
         length = min(most, -(-settings.tokens * matched // settings.ngram))  # tokens * matched / ngram, rounded up
-        while followed and len(guesses) < length:
+        while followed and len(drafts) < length:
             votes: dict[int, int] = {}
             for end in followed:
                 votes[text[end]] = votes.get(text[end], 0) + 1
             token = max(votes, key=votes.__getitem__)  # max keeps the first of equals: the latest occurrence's
-            guesses.append(token)
+            drafts.append(token)
             followed = [end + 1 for end in followed if text[end] == token and end + 1 < len(text)]
-        return guesses
+        return drafts

@@ -13,19 +13,19 @@ from runtime.speculative.prompt_lookup import PromptLookup
 def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--speculative", metavar="ngram|DRAFT_ARTIFACT",
-        help="guess the next tokens and verify them in one run: the same tokens (the same distribution when "
-        "sampling), sooner where the guesses are right. ngram: by prompt lookup (the latest n tokens found earlier "
+        help="draft the next tokens and verify them in one run: the same tokens (the same distribution when "
+        "sampling), sooner where the drafts are right. ngram: by prompt lookup (the latest n tokens found earlier "
         "in the text); a folder: with that smaller artifact of the same tokenizer (a draft model, each prompt "
         "drafted for alone)",
     )  # fmt: skip
     parser.add_argument(
         "--draft-tokens", type=int,
-        help=f"most guesses a run verifies (default {PromptLookup.tokens} for ngram, after a match of --lookup-ngram "
+        help=f"most drafts a run verifies (default {PromptLookup.tokens} for ngram, after a match of --lookup-ngram "
         f"tokens, a shorter match its share; {DraftModel.tokens} for a draft)",
     )  # fmt: skip
     parser.add_argument("--lookup-ngram", type=int, default=PromptLookup.ngram, help="longest n-gram looked up")
     parser.add_argument(
-        "--lookup-min-ngram", type=int, default=PromptLookup.min_ngram, help="shortest n-gram a guess may follow"
+        "--lookup-min-ngram", type=int, default=PromptLookup.min_ngram, help="shortest n-gram a draft may follow"
     )
 
 
@@ -38,7 +38,7 @@ def check_choice(choice: str) -> None:
 def proposer(
     choice: str | None, tokens: int | None, ngrams: tuple[int, int], options: SessionOptions
 ) -> PromptLookup | DraftModel | None:  # fmt: skip
-    """The guesser --speculative `choice` names (None: none), verifying up to `tokens` (None: its default) a
+    """The drafter --speculative `choice` names (None: none), verifying up to `tokens` (None: its default) a
     run; prompt lookup matches `ngrams` (the longest n-gram, the shortest) final tokens; a draft artifact runs on
     the target's `options`."""
     if choice is None:
