@@ -266,7 +266,8 @@ class RowCache:
         """Before a decode step of `width` tokens a row over rows [0, rows) (after `before_step`, which made room for
         them all): `width`, the slot its first writes (the clock), and its attention mask `[rows, clock + width]`. A
         running row attends its slots from its first kept one but its holes, and that first kept slot also counts the
-        positions dropped before it (so that RoPE positions count them, as DeviceCache.window_mask does); any other
+        positions dropped before it (so that RoPE positions count them: `count_dropped`, as a generation's
+        PrunedWindow.mask does); any other
         row attends its own slots alone."""
         begins = np.full(rows, self.clock, dtype=np.int64)
         dropped = np.zeros(rows, dtype=np.int64)

@@ -1,8 +1,8 @@
 """One decode step: every row's next tokens in (its latest token, and any drafts after it or tokens fed again before
 it), their logits out, the cache updated where it lies.
 
-The Generator and the engine both decode through it; the cache (DeviceCache or RowCache) binds its own
-tensors. The token ids, the cache positions, the logits (and a fused FoX-Pro graph's shift states after each
+The Generator and the engine both decode through it; the cache (either layout of runtime/cache/protocol.py) binds
+its own tensors. The token ids, the cache positions, the logits (and a fused FoX-Pro graph's shift states after each
 token) keep one buffer each for each width while the batch holds (on the CPU, numpy arrays that onnxruntime reads
 and writes in place, so nothing is copied through pybind). Steps alternate between two bindings, as the shift
 states alternate between their two buffers, so that a step renews only the mask's binding (one column longer each
@@ -13,35 +13,17 @@ step) and what the cache changed: a speculative step of several tokens costs the
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
 
 import numpy as np
 import onnxruntime as ort
 
 from runtime.artifact import Artifact
+from runtime.cache.protocol import Cache
 from runtime.contract import ATTENTION_MASK, CACHE_POSITION, INPUT_IDS, LOGITS
 
 
-class StepCache(Protocol):
-    """What a step needs of a cache (DeviceCache for a generation, RowCache for the engine's rows)."""
-
-    device: str
-    feeds_back: bool  # whether `advance` needs the step's outputs
-
-    # how many of `width` tokens a row fit, the slot the first is written to, and the step's attention mask
-    def prepare_step(self, rows: int, width: int) -> tuple[int, int, np.ndarray]: ...
-
-    def bind_step(self, binding: ort.IOBinding, following: ort.IOBinding, rows: int, resized: bool) -> None: ...
-
-    # after the step: `outputs` where `feeds_back`; `states`, each shift state's value after each of the step's
-    # tokens `[rows, width, state]` where the artifact gives them (the state to keep when a row keeps fewer tokens)
-    def advance(
-        self, outputs: list[ort.OrtValue] | None, width: int, states: dict[str, np.ndarray] | None = None
-    ) -> None: ...
-
-
 class DecodeStep:
-    def __init__(self, artifact: Artifact, cache: StepCache, run: Callable[[ort.IOBinding], None]):
+    def __init__(self, artifact: Artifact, cache: Cache, run: Callable[[ort.IOBinding], None]):
         """`run`: runs the session on a binding (see `prefill.SessionClock`)."""
         self.artifact, self.cache, self.run = artifact, cache, run
         self.bindings = (artifact.session.io_binding(), artifact.session.io_binding())  # even steps', odd steps'
