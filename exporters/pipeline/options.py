@@ -7,8 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from exporters.checks.references import References
-from exporters.checks.validate import MIN_STATIC_LENGTH
+from exporters.checks.validate import MIN_STATIC_LENGTH, References
 from exporters.evaluation.evaluate import EagerRun, Thresholds
 from exporters.native.library import NativeUnavailable, available, build
 from exporters.quantization.settings import Quantization
