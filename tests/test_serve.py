@@ -283,21 +283,25 @@ def test_a_client_that_goes_away_frees_its_row(generator, monkeypatch, stream):
     step, left = Engine._step, threading.Event()
 
     def held(engine: Engine) -> None:  # the request cannot finish before its client has gone and the server seen it
-        if not left.is_set():
-            wait_until(lambda: any(row is not None and row.request.cancelled for row in engine.rows), "no cancel")
-            left.set()
+        def gone() -> bool:
+            return left.is_set() or any(row is not None and row.request.cancelled for row in engine.rows)
+
+        wait_until(gone, "the server did not see its client leave")
         step(engine)
 
     monkeypatch.setattr(Engine, "_step", held)
     with serving(generator, max_batch=1) as (url, engine):
         body = {"prompt": [5, 6], "max_tokens": 80, "min_tokens": 80, "stream": stream}
         if stream:
-            with httpx.stream("POST", f"{url}/v1/completions", json=body) as answer:
-                next(answer.iter_lines())
+            with httpx.stream("POST", f"{url}/v1/completions", json=body):  # its head: the stream has begun
+                # generating: it holds the only row (its first event may not come, as its first token may complete
+                # no character and the next steps wait)
+                wait_until(lambda: engine.busy_rows == 1, "the request was not admitted")
         else:
             with pytest.raises(httpx.ReadTimeout):  # no answer can come: its steps wait for it to leave
                 httpx.post(f"{url}/v1/completions", json=body, timeout=0.3)
         wait_until(lambda: not engine.busy_rows, "the row was not freed when its client left")
+        left.set()  # the next request's steps run at once
         metrics = httpx.get(f"{url}/metrics").text
         assert metric(metrics, "kvg_generated_tokens_total") < 80
         assert metric(metrics, 'kvg_requests_total{outcome="cancelled"}') == 1
