@@ -264,11 +264,12 @@ def test_a_full_queue_is_a_429_with_retry_after_and_the_queued_request_still_run
         first = {"prompt": [5, 6], "max_tokens": 8, "stream": True}
         with httpx.Client(base_url=url, timeout=60) as http, http.stream("POST", "/v1/completions", json=first) as busy:
             lines = busy.iter_lines()
-            next(lines)  # its first token: it holds the only row
+            # it holds the only row (its first event may wait for a step: a sampled first token may complete no
+            # character, and then only the stream's 15 s ping came)
+            wait_until(lambda: engine.busy_rows == 1, "the first request was not admitted")
             queued = threading.Thread(target=lambda: results.append(http.post("/v1/completions", json=body)))
             queued.start()
-            while engine.queue_depth < 1:
-                time.sleep(0.01)
+            wait_until(lambda: engine.queue_depth == 1, "the second request was not queued")
             refused = http.post("/v1/completions", json={"prompt": [9], "max_tokens": 4})
             assert refused.status_code == 429 and refused.headers["Retry-After"].isdigit()
             assert refused.json()["error"]["type"] == "rate_limit_error"
