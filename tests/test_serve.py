@@ -265,11 +265,12 @@ def test_a_full_queue_is_a_429_with_retry_after_and_the_queued_request_still_run
         first = {"prompt": [5, 6], "max_tokens": 8, "stream": True}
         with httpx.Client(base_url=url, timeout=60) as http, http.stream("POST", "/v1/completions", json=first) as busy:
             lines = busy.iter_lines()
-            next(lines)  # its first token: it holds the only row
+            # it holds the only row (its first event may wait for a step: a sampled first token may complete no
+            # character, and then only the stream's 15 s ping came)
+            wait_until(lambda: engine.busy_rows == 1, "the first request was not admitted")
             queued = threading.Thread(target=lambda: results.append(http.post("/v1/completions", json=body)))
             queued.start()
-            while engine.queue_depth < 1:
-                time.sleep(0.01)
+            wait_until(lambda: engine.queue_depth == 1, "the second request was not queued")
             refused = http.post("/v1/completions", json={"prompt": [9], "max_tokens": 4})
             assert refused.status_code == 429 and refused.headers["Retry-After"].isdigit()
             assert refused.json()["error"]["type"] == "rate_limit_error"
@@ -284,21 +285,25 @@ def test_a_client_that_goes_away_frees_its_row(generator, monkeypatch, stream):
     step, left = Engine._step, threading.Event()
 
     def held(engine: Engine) -> None:  # the request cannot finish before its client has gone and the server seen it
-        if not left.is_set():
-            wait_until(lambda: any(row is not None and row.request.cancelled for row in engine.rows), "no cancel")
-            left.set()
+        def gone() -> bool:
+            return left.is_set() or any(row is not None and row.request.cancelled for row in engine.rows)
+
+        wait_until(gone, "the server did not see its client leave")
         step(engine)
 
     monkeypatch.setattr(Engine, "_step", held)
     with serving(generator, max_batch=1) as (url, engine):
         body = {"prompt": [5, 6], "max_tokens": 80, "min_tokens": 80, "stream": stream}
         if stream:
-            with httpx.stream("POST", f"{url}/v1/completions", json=body) as answer:
-                next(answer.iter_lines())
+            with httpx.stream("POST", f"{url}/v1/completions", json=body):  # its head: the stream has begun
+                # generating: it holds the only row (its first event may not come, as its first token may complete
+                # no character and the next steps wait)
+                wait_until(lambda: engine.busy_rows == 1, "the request was not admitted")
         else:
             with pytest.raises(httpx.ReadTimeout):  # no answer can come: its steps wait for it to leave
                 httpx.post(f"{url}/v1/completions", json=body, timeout=0.3)
         wait_until(lambda: not engine.busy_rows, "the row was not freed when its client left")
+        left.set()  # the next request's steps run at once
         metrics = httpx.get(f"{url}/metrics").text
         assert metric(metrics, "kvg_generated_tokens_total") < 80
         assert metric(metrics, 'kvg_requests_total{outcome="cancelled"}') == 1
