@@ -404,3 +404,16 @@ def test_kvg_serve_serves_a_static_artifact_and_refuses_what_it_cannot(exported,
     finally:
         process.terminate()
         process.wait(30)
+
+
+def test_a_request_the_closing_engine_refuses_is_a_503_not_the_clients_fault(generator):
+    """Once the engine has closed (a shutdown under way), a request is the server's to refuse: 503, a server error,
+    where a request the engine finds wrong is a 400 naming its field."""
+    with serving(generator) as (url, engine):
+        bad = httpx.post(f"{url}/v1/completions", json={"prompt": [1, 10**6], "max_tokens": 4}, timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
+        engine.close()
+        refused = httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 4}, timeout=60)
+        assert refused.status_code == 503, refused.text
+        error = refused.json()["error"]
+        assert error["type"] == "server_error" and "shutting down" in error["message"]
