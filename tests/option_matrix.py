@@ -165,6 +165,21 @@ def write_checkpoint(row: dict, folder: Path, seed: int) -> Path:
     return folder
 
 
+def rows_attending(*kinds: str) -> list:
+    """The rows that attend through `kinds`, as pytest parameters (index, row) named by `row_id`; a fused row is
+    skipped where the fused operator's library cannot be built."""
+    import pytest
+
+    from exporters.native.library import available
+
+    unbuilt = pytest.mark.skip(reason="the fused attention library cannot be built here")
+    return [
+        pytest.param(index, row, id=f"{index}-{row_id(row)}",
+                     marks=[unbuilt] if row["attention"] == "fused" and available() is None else [])
+        for index, row in enumerate(ROWS) if row["attention"] in kinds
+    ]  # fmt: skip
+
+
 def check_row(row: dict, folder: Path, seed: int, asked: str | None = None) -> None:
     """Export the row's model (a checkpoint folder under `folder`, weights from `seed`) with its cache and the
     attention `asked` (None: the row's, which the export must then attend through), in this process: the export

@@ -6,17 +6,13 @@ import itertools
 
 import pytest
 from conftest import CPU_FP32_ATTENTION
-from option_matrix import OPTIONS, ROWS, WHOLE, check_row, config_of, row_id, write_checkpoint
+from option_matrix import OPTIONS, ROWS, WHOLE, check_row, config_of, rows_attending, write_checkpoint
 
 from exporters.native.library import available
 
-HALF = [(index, row) for index, row in enumerate(ROWS) if row["attention"] in ("fused", "gqa")]
 
-
-@pytest.mark.parametrize(("index", "row"), HALF, ids=[f"{index}-{row_id(row)}" for index, row in HALF])
+@pytest.mark.parametrize(("index", "row"), rows_attending("fused", "gqa"))
 def test_the_row_exports_and_generates_what_eager_generates(tmp_path, index, row):
-    if row["attention"] == "fused" and available() is None:
-        pytest.skip("the fused attention library cannot be built here")
     check_row(row, tmp_path, seed=index)
 
 

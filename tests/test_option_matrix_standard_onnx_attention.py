@@ -3,15 +3,9 @@ a tiny random checkpoint and held to eager PyTorch; the matrix is split in two m
 it."""
 
 import pytest
-from option_matrix import ROWS, check_row, row_id
-
-from exporters.native.library import available
-
-HALF = [(index, row) for index, row in enumerate(ROWS) if row["attention"] in ("standard", "onnx-attention")]
+from option_matrix import check_row, rows_attending
 
 
-@pytest.mark.parametrize(("index", "row"), HALF, ids=[f"{index}-{row_id(row)}" for index, row in HALF])
+@pytest.mark.parametrize(("index", "row"), rows_attending("standard", "onnx-attention"))
 def test_the_row_exports_and_generates_what_eager_generates(tmp_path, index, row):
-    if row["attention"] == "fused" and available() is None:
-        pytest.skip("the fused attention library cannot be built here")
     check_row(row, tmp_path, seed=index)
