@@ -73,11 +73,17 @@ class WorkerDied(RuntimeError):
 
 
 class Worker:
-    def __init__(self, system: str, target: str, threads: int, python: str = sys.executable):
+    def __init__(
+        self, system: str, target: str, threads: int, python: str = sys.executable, checkout: Path | None = None
+    ):  # fmt: skip
+        """`checkout`: another checkout of this project whose code the worker runs (its bench/worker.py, its
+        packages first on the path), for a before-and-after comparison; None: this one."""
         kind = next((kind for kind in WORKER_KINDS if system.startswith(kind)), system)
+        script = HERE / "worker.py" if checkout is None else checkout / "bench" / "worker.py"
+        env = None if checkout is None else {**os.environ, "PYTHONPATH": str(checkout.resolve())}
         self.process = subprocess.Popen(
-            [python, str(HERE / "worker.py"), kind, target, str(threads)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            [python, str(script), kind, target, str(threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            text=True, env=env,
         )  # fmt: skip
 
     def ask(self, request: dict) -> dict:

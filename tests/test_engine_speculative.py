@@ -78,7 +78,7 @@ def test_no_step_verifies_drafts_while_more_requests_run_than_the_limit(exported
     prompts, config = [[5, 6, 7, 8], [9, 10, 11]], GenerationConfig(20, 20)
     expected = [generator.generate([prompt], config).tokens[0] for prompt in prompts]
     drafts = Scripted.of(prompts, expected, lambda row, position: True, generator.model.artifact.vocab_size)
-    drafts = replace(drafts, rows=proposer_rows)
+    drafts = replace(drafts, max_rows=proposer_rows)
     engine, got = Engine(generator.model, 2, speculative=drafts, speculative_max_rows=engine_rows), Collector(2)
     for index, prompt in enumerate(prompts):
         engine.submit(prompt, config, got.emit(index))

@@ -68,7 +68,7 @@ def run_step(artifact: Artifact, cache: RowCache, ids: list[int], firsts: list[i
     binding.bind_cpu_input("attention_mask", mask)
     binding.bind_cpu_input("cache_position", np.array([clock], dtype=np.int64))
     binding.bind_output("logits", "cpu")
-    cache.bind_step(binding, artifact.session.io_binding(), len(ids), fresh=True)  # and a next step's, unused here
+    cache.bind_step(binding, artifact.session.io_binding(), len(ids), resized=True)  # and a next step's, unused here
     artifact.session.run_with_iobinding(binding)
     cache.advance()
     return binding.get_outputs()[0].numpy()[:, -1].copy()
