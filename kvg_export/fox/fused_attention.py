@@ -45,25 +45,12 @@ def fox_attention(
     output_norm_epsilon: float,
     output_gate_activation: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Its tensors are the fused operator's inputs, named and ordered as runtime/contract.py's OP_INPUTS.
-
-    query `[batch, seq, heads*head_dim]`; key, value `[batch, seq, kv_heads*head_dim]`; gate_logits `[batch, seq,
-    heads]`, the forget gate's pre-activation, and gate_bias `[heads]` or None (0; +inf: no forget gate) added to it:
-    the new log gates are -softplus(-(logits + bias)), 0 for a padding token; the caches past_key, past_value
-    `[batch, kv_heads, past, head_dim]` and past_gate `[batch, heads, past]`; attention_mask `[batch or 1, window]`,
-    which window slots hold real tokens (a query attends those up to its own slot, and its own slot); cache_position
-    `[seq]`, the new tokens' consecutive window slots; window_starts `[kv_heads]` or None (all 0): kv head h's buffer
-    rows begin `window_starts[h]` slots into the window, so its new entries go to slots `cache_position -
-    window_starts[h]` and it attends its own slots only.
-
-    FoX-Pro's work, each None where the model has none: the key's and value's token shift (`layers.token_shift`, its
-    logits `[batch, seq, kv_heads]` and the state before the step `[batch, kv_heads*head_dim]`), then QK-norm
-    (weights `[head_dim]` or one per head), and after attention the output norm and the output gate (its logits
-    `[batch, seq, heads*head_dim]` through `output_gate_activation`, sigmoid or silu).
-
-    Returns the attention output `[batch, seq, heads*head_dim]`, the caches, `max(past, window - min(window_starts))`
-    long, the past's slots kept and the rest zero but for the new entries, and the key's and value's shift states
-    after the step (`[batch, 0]` without a shift)."""
+    """Its tensors are the fused operator's inputs, named and ordered as runtime/contract.py's OP_INPUTS, with the
+    shapes and meanings exporters/native/fox_attention.cc's Input enum gives them (K kv heads, D head_dim, L past
+    slots, W window slots; each FoX-Pro input None where the model has none). Returns the attention output
+    `[batch, seq, heads*head_dim]`, the caches, `max(past, window - min(window_starts))` long, the past's slots kept
+    and the rest zero but for the new entries, and the key's and value's shift states after the step (`[batch, 0]`
+    without a shift)."""
     batch, seq, _ = query.shape
     head_dim, past, window = past_key.shape[-1], past_key.shape[2], attention_mask.shape[-1]
     begins = [0] * kv_heads if window_starts is None else window_starts.tolist()
@@ -76,14 +63,8 @@ def fox_attention(
     key = _normalized(key, key_norm, head_dim, qk_norm_epsilon)
     logits = gate_logits.float() + (0.0 if gate_bias is None else gate_bias.float())
     log_gates = torch.where(real[:, cache_position, None], -F.softplus(-logits), 0.0).transpose(1, 2)
-    caches = []
-    for cache in (past_key, past_value, past_gate):
-        grown = cache.new_zeros(*cache.shape[:2], length, *cache.shape[3:])
-        grown[:, :, : min(past, length)] = cache[:, :, :length]
-        caches.append(grown)
-    keys, values, gates = caches
-    new_keys = key.view(batch, seq, kv_heads, head_dim).transpose(1, 2)
-    new_values = value.view(batch, seq, kv_heads, head_dim).transpose(1, 2)
+    keys, values, gates = (_grown(cache, length) for cache in (past_key, past_value, past_gate))
+    new_keys, new_values = (x.view(batch, seq, kv_heads, head_dim).transpose(1, 2) for x in (key, value))
     out = query.new_empty(batch, seq, heads, head_dim)
     queries = query.view(batch, seq, heads, head_dim)
     for head, begin in enumerate(begins):
@@ -97,10 +78,22 @@ def fox_attention(
             real[:, begin:], own,
         ).to(out.dtype)  # fmt: skip
     out = _normalized(out.flatten(2), output_norm, head_dim, output_norm_epsilon)
-    if output_gate_logits is not None:
-        activation = torch.sigmoid if output_gate_activation == "sigmoid" else F.silu
-        out = activation(output_gate_logits) * out
-    return out, keys, values, gates, key_state, value_state
+    return _gated(out, output_gate_logits, output_gate_activation), keys, values, gates, key_state, value_state
+
+
+def _gated(out: torch.Tensor, logits: torch.Tensor | None, activation: str) -> torch.Tensor:
+    """The output times its gate's `activation` (sigmoid or silu) of `logits`, where the model has an output gate."""
+    if logits is None:
+        return out
+    return (torch.sigmoid if activation == "sigmoid" else F.silu)(logits) * out
+
+
+def _grown(cache: torch.Tensor, length: int) -> torch.Tensor:
+    """A copy of `cache` `[batch, heads, past, ...]` `length` slots long: its slots kept up to there, zeros after."""
+    grown = cache.new_zeros(*cache.shape[:2], length, *cache.shape[3:])
+    kept = min(cache.shape[2], length)
+    grown[:, :, :kept] = cache[:, :, :kept]
+    return grown
 
 
 def _attend_head(

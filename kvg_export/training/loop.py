@@ -129,12 +129,7 @@ def train(
                 f"loss {loss:.3f}, {tokens_per_step * len(recent) / sum(recent):,.0f} tok/s, lr {rate:.2e}"
             )
             if step % recipe.eval_every == 0 or step == recipe.steps:
-                windows = data.evaluation_windows("validation", recipe.seq_len, recipe.eval_windows)
-                validation = mean_loss(model, windows)
-                state["validation_losses"].append((step, validation))
-                bar.write(
-                    f"step {step}: validation loss {validation:.4f} nats/token, perplexity {math.exp(validation):.2f}"
-                )
+                state["validation_losses"].append((step, _validation_loss(model, data, recipe, step, bar.write)))
             if step % recipe.checkpoint_every == 0 or step == last:
                 state["seconds"] = seconds_before + time.perf_counter() - loop_started
                 save_checkpoint(checkpoint, model, data.tokenizer, preset, optimizer, state)
@@ -147,6 +142,13 @@ def train(
         log(f"paused at step {state['step']} of {recipe.steps}; the same command resumes from {checkpoint}")
         return None
     return _finish(preset, run_dir, model, data, recipe, state, log)
+
+
+def _validation_loss(model, data: TrainingData, recipe: TrainingRecipe, step: int, write) -> float:
+    """The model's mean loss on the validation windows, written as a line of its own."""
+    validation = mean_loss(model, data.evaluation_windows("validation", recipe.seq_len, recipe.eval_windows))
+    write(f"step {step}: validation loss {validation:.4f} nats/token, perplexity {math.exp(validation):.2f}")
+    return validation
 
 
 def _optimizer_step(model, optimizer, step_loss, batch: torch.Tensor, rate: float, grad_clip: float) -> float:
