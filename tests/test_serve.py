@@ -286,7 +286,7 @@ def test_a_client_that_goes_away_frees_its_row(generator, monkeypatch, stream):
 
     def held(engine: Engine) -> None:  # the request cannot finish before its client has gone and the server seen it
         def gone() -> bool:
-            return left.is_set() or any(row is not None and row.request.cancelled for row in engine.rows)
+            return left.is_set() or any(row is not None and row.request.cancelled for row in engine.running)
 
         wait_until(gone, "the server did not see its client leave")
         step(engine)

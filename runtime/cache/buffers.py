@@ -71,13 +71,15 @@ def on_host(value: ort.OrtValue, dtype: str, device: str) -> Iterator[np.ndarray
     write_back(value, host, dtype, device)
 
 
-def move_slots(host: np.ndarray, rows, begin: int, end: int, to: int, heads=slice(None), clear: bool = False) -> None:
-    """Move slots [begin, end) of `rows` (an index of the leading axis) and `heads` (of the second) of a buffer on
-    the host (see `on_host`) to start at slot `to`; the slots are the third axis (keys, values `[batch, heads,
-    slots, dim]`, gates `[batch, heads, slots]`). `clear`: zero the slots after the moved ones, up to `end`, that
-    the move left behind."""
+def move_slots(
+    host: np.ndarray, selected, begin: int, end: int, to: int, heads=slice(None), clear: bool = False
+) -> None:
+    """Move slots [begin, end) of the rows `selected` (an index of the leading axis) and `heads` (of the second) of a
+    buffer on the host (see `on_host`) to start at slot `to`; the slots are the third axis (keys, values `[batch,
+    heads, slots, dim]`, gates `[batch, heads, slots]`). `clear`: zero the slots after the moved ones, up to `end`,
+    that the move left behind."""
     slot_bytes, moved_end = host.strides[2], to + end - begin
-    for row in np.atleast_1d(np.arange(host.shape[0])[rows]):
+    for row in np.atleast_1d(np.arange(host.shape[0])[selected]):
         for head in np.atleast_1d(np.arange(host.shape[1])[heads]):
             start = host[row, head].ctypes.data  # one (row, head)'s slots are contiguous: memmove them, overlap
             # or not, where numpy would copy overlapping slices through a temporary (about 3x slower on a long window)

@@ -117,12 +117,12 @@ class RowCache:
     def trim(self) -> None:
         """After a step's `keep`s: take the clock back over the latest slots that every running row left as holes (a
         lone row's rejected drafts, or the drafts no row kept), so no later step reads them nor loses their room."""
-        rows = list(self.running)
-        if not rows:
+        running = list(self.running)
+        if not running:
             return
-        kept = np.flatnonzero(~self.holes[rows, : self.clock].all(axis=0))
+        kept = np.flatnonzero(~self.holes[running, : self.clock].all(axis=0))
         end = int(kept[-1]) + 1 if len(kept) else 0
-        self.holes[rows, end : self.clock] = False
+        self.holes[running, end : self.clock] = False
         self.clock, self.pruned_at = end, min(self.pruned_at, end)
 
     def bind_row(self, binding: ort.IOBinding, row: int, chunk: int, chunks: int, resumed: bool = False) -> None:
@@ -185,14 +185,14 @@ class RowCache:
         """Slots [begin, end) of `row`'s gates, `[1, heads, end - begin]` per layer (views on the CPU)."""
         return [buffers.to_host(self.buffers[past], "float32")[row : row + 1, :, begin:end] for past in self.gate_names]
 
-    def move(self, rows: list[int], begin: int, end: int, to: int) -> None:
-        """Move slots [begin, end) of `rows` to start at slot `to`, in every key, value and gate buffer."""
-        if not rows or begin == to:
+    def move(self, moved: list[int], begin: int, end: int, to: int) -> None:
+        """Move slots [begin, end) of the rows `moved` to start at slot `to`, in every key, value and gate buffer."""
+        if not moved or begin == to:
             return
         for past, _ in self.slotted:
             with buffers.on_host(self.buffers[past], self.dtypes[past], self.device) as host:
-                buffers.move_slots(host, rows, begin, end, to)
-        self.holes[np.ix_(rows, range(to, to + end - begin))] = self.holes[np.ix_(rows, range(begin, end))]
+                buffers.move_slots(host, moved, begin, end, to)
+        self.holes[np.ix_(moved, range(to, to + end - begin))] = self.holes[np.ix_(moved, range(begin, end))]
 
     def join(self, row: int, thresholds: np.ndarray | None) -> None:
         """`row`, its prompt prefilled, decodes from now on, pruned by `thresholds` (`[layers, heads]`, see
@@ -208,20 +208,20 @@ class RowCache:
         once its last chunk is in, one decode step after each. Moves the running rows later when the clock is not
         far enough on for the prompt to fit before that; False while it and the running rows, each with `reserved`
         slots more, do not fit."""
-        rows = sorted(self.running)
-        if not rows:
+        running = sorted(self.running)
+        if not running:
             self.clock = self.pruned_at = 0
         elif self.clock + chunks > self.length:  # it would end past the cache: the running rows move up first
             self._compact()
         end = max(self.clock + chunks, length)
         lift = end - chunks - self.clock
-        first = min([int(self.begins[other]) + lift for other in rows] + [end - length])
+        first = min([int(self.begins[other]) + lift for other in running] + [end - length])
         if end - first + reserved > self.length:
             return False
-        if lift and rows:
-            start = int(self.begins[rows].min())
-            self.move(rows, start, self.clock, start + lift)
-            self.begins[rows] += lift
+        if lift and running:
+            start = int(self.begins[running].min())
+            self.move(running, start, self.clock, start + lift)
+            self.begins[running] += lift
         self.clock += lift
         self.begins[row] = end - length
         return True

@@ -41,7 +41,9 @@ PREFIX_CACHE_MB = 256  # kvg-serve's memory for recent prompts' prefixes, by def
 
 
 @dataclass(eq=False)
-class _Row:
+class _Running:
+    """A request decoding in a row of its own."""
+
     request: Request
     search: Search  # of this request alone: its tokens are those it gets alone
     pending: list[int] = field(default_factory=list)  # to feed before its next choice: its latest token, and
@@ -62,7 +64,7 @@ class _Row:
         return self.search.drafts(room)[0].tolist() if speculating else []
 
 
-def speculation_limit(running: list[tuple[int, _Row]], most: int | None) -> float:
+def speculation_limit(running: list[tuple[int, _Running]], most: int | None) -> float:
     """The most rows running for a step to verify drafts: `most` (the engine's speculative_max_rows), else the least
     `max_rows` of the running requests' proposers."""
     if most is not None:
@@ -118,7 +120,7 @@ class Engine:
         self.prefixes = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         self.cache = RowCache(model.artifact, max_batch)
         self.prefiller = Prefiller(model, self.cache, prefill_budget, self.prefixes)
-        self.rows: list[_Row | None] = [None] * max_batch
+        self.running: list[_Running | None] = [None] * max_batch  # each row's decoding request (None: free)
         self.decode_step = DecodeStep(model.artifact, self.cache, model.artifact.session.run_with_iobinding)
         self.drafts_proposed = self.drafts_accepted = 0  # by the requests that ended, for /metrics
         self.waiting: deque[Request] = deque()
@@ -138,7 +140,7 @@ class Engine:
     @property
     def busy_rows(self) -> int:
         """Rows decoding or being prefilled."""
-        return sum(row is not None for row in self.rows) + (self.filling is not None)
+        return sum(row is not None for row in self.running) + (self.filling is not None)
 
     def check(self, prompt: list[int], config: GenerationConfig) -> None:
         """Raise what `submit` would refuse the request for (RequestError), queueing nothing. A
@@ -196,9 +198,9 @@ class Engine:
             self._wake.notify()
         self._thread.join()
         filling = [self.filling.request] if self.filling is not None else []
-        left = [*self.waiting, *filling, *(row.request for row in self.rows if row is not None)]
+        left = [*self.waiting, *filling, *(row.request for row in self.running if row is not None)]
         self.waiting.clear()
-        self.filling, self.rows = None, [None] * len(self.rows)
+        self.filling, self.running = None, [None] * len(self.running)
         for request in left:
             request.send(Failed(message))
 
@@ -222,13 +224,13 @@ class Engine:
                 self._fail_running(f"internal error: {error!r}")
 
     def _fail_running(self, message: str) -> None:
-        for index, row in enumerate(self.rows):
+        for index, row in enumerate(self.running):
             if row is not None:
                 self._free(index)
                 row.request.send(Failed(message))
 
     def _free(self, index: int) -> None:
-        self.rows[index] = None
+        self.running[index] = None
         self.cache.leave(index)
 
     def _next_waiting(self) -> Request | None:
@@ -247,11 +249,11 @@ class Engine:
 
     def _admit(self) -> None:
         """Start prefilling the oldest waiting request into a free row once it fits; one prefill at a time."""
-        row = next((i for i, other in enumerate(self.rows) if other is None and i != self._filling_row), None)
+        row = next((i for i, other in enumerate(self.running) if other is None and i != self._filling_row), None)
         if self.filling is not None or row is None or (request := self._next_waiting()) is None:
             return
-        running = [other.steps_left for other in self.rows if other is not None]
-        reserved = max(self._reserved(steps) for steps in [*running, _steps(request.config)])
+        left = [other.steps_left for other in self.running if other is not None]
+        reserved = max(self._reserved(steps) for steps in [*left, _steps(request.config)])
         self.filling = self.prefiller.place(request, row, reserved)
         if self.filling is not None:  # else it fits once running rows end: it stays first in the queue
             with self._wake:
@@ -291,24 +293,24 @@ class Engine:
         config, prompt = request.config, request.prompt
         thresholds = model.thresholds(len(prompt) + config.max_new_tokens - 1)
         search = Search(config, [prompt], model.eos, model.pad, model.grammar(config.constraint))
-        self.rows[filling.row] = _Row(request, search)
+        self.running[filling.row] = _Running(request, search)
         self.cache.join(filling.row, thresholds)
         self._choose(filling.row, logits)
 
     @property
     def _decoding(self) -> bool:
-        return any(row is not None for row in self.rows)
+        return any(row is not None for row in self.running)
 
     def _step(self) -> None:
         """One decode step over rows [0, last occupied]: each running row feeds its pending tokens and, speculating,
         its drafts (while no prompt is being prefilled, as its placement counts on a slot a step, and no more than
         `speculative_max_rows` run); free rows among them (and a row being prefilled) are fed padding and ignored."""
         self._drop_cancelled()
-        running = [(index, row) for index, row in enumerate(self.rows) if row is not None]
+        running = [(index, row) for index, row in enumerate(self.running) if row is not None]
         speculating = self.filling is None and len(running) <= speculation_limit(running, self.speculative_max_rows)
         widest = max((len(row.pending) + row.search.budget for _, row in running), default=1)
         for index, error in self.cache.before_step(widest if speculating else 1):  # a row the cache has no room for
-            request = self.rows[index].request
+            request = self.running[index].request
             self._free(index)
             request.send(Failed(str(error)))
             running = [(other, row) for other, row in running if other != index]
@@ -334,7 +336,7 @@ class Engine:
     def _take(self, index: int, logits: np.ndarray, fed: list[int], width: int) -> None:
         """A running row's tokens from a step that fed it `fed` (its pending tokens, then drafts) with its logits at
         each `[width, vocab]`: chosen from its last pending token's on while the draft before was chosen."""
-        row = self.rows[index]
+        row = self.running[index]
         pending = len(row.pending)
         if pending > width:  # no room for all it must feed again: the rest goes first next step
             row.pending = row.pending[width:]
@@ -351,14 +353,14 @@ class Engine:
             row.pending = [*fed[:again], *row.pending]
 
     def _drop_cancelled(self) -> None:
-        for index, row in enumerate(self.rows):
+        for index, row in enumerate(self.running):
             if row is not None and row.request.cancelled:
                 self._free(index)
 
     def _choose(self, index: int, logits: np.ndarray, position: int = 0) -> np.ndarray | None:
         """The row's next token from its logits `[1, vocab]` (at `position` of a step's drafts), sent; None when the
         row is done (and freed) or cancelled."""
-        row = self.rows[index]
+        row = self.running[index]
         request, config = row.request, row.request.config
         if request.cancelled:
             self._free(index)
