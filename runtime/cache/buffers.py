@@ -40,6 +40,12 @@ def zeros(shape: list[int], dtype: str, device: str, touched: bool = False) -> o
     return from_host(host, dtype, device)
 
 
+def zeros_of(spec: dict, sizes: dict[str, int], device: str, touched: bool = False) -> ort.OrtValue:
+    """A zeroed buffer for a cache tensor the manifest describes (`spec`: its dtype and axes), its named axes sized by
+    `sizes` (a number in the axes is a size already)."""
+    return zeros([sizes.get(axis, axis) for axis in spec["axes"]], spec["dtype"], device, touched)
+
+
 def to_host(value: ort.OrtValue, dtype: str) -> np.ndarray:
     """The buffer's contents on the host: on the CPU a float buffer is viewed in place, otherwise copied (see
     `write_back`)."""

@@ -88,10 +88,8 @@ class DeviceCache:
         self.length, self.stale_bindings = grown_length, True
 
     def _zeros(self, name: str) -> ort.OrtValue:
-        spec = self.artifact.input_spec(name)
         past = self.length if name in self.in_place else 0  # a static buffer's length is a number in the spec
-        shape = [self.batch if axis == BATCH_AXIS else past if axis == PAST_AXIS else axis for axis in spec["axes"]]
-        return buffers.zeros(shape, spec["dtype"], self.device)
+        return buffers.zeros_of(self.artifact.input_spec(name), {BATCH_AXIS: self.batch, PAST_AXIS: past}, self.device)
 
     def reset(self) -> None:
         """Start a new generation.

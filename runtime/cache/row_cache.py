@@ -33,7 +33,7 @@ from runtime.cache import buffers
 from runtime.cache.prefix_cache import Block
 from runtime.cache.pruning import PruningError, count_dropped, due, needed_slots
 from runtime.cache.shift_states import ShiftStates
-from runtime.contract import is_shift_state
+from runtime.contract import BATCH_AXIS, is_shift_state
 
 
 class RowCache:
@@ -63,9 +63,7 @@ class RowCache:
     def _zeros(self, name: str, rows: int) -> ort.OrtValue:
         """Zeroed, since a slot no request wrote is still read (with weight exactly 0) and 0 * NaN is NaN; touched
         now, so that a request's first run into a row does not stall every other row on page faults."""
-        spec = self.artifact.input_spec(name)
-        shape = [rows if axis == "batch" else axis for axis in spec["axes"]]
-        return buffers.zeros(shape, self.dtypes[name], self.device, touched=True)
+        return buffers.zeros_of(self.artifact.input_spec(name), {BATCH_AXIS: rows}, self.device, touched=True)
 
     def _bind(self, bind, name: str, past: str, value: ort.OrtValue, first: int, count: int) -> None:
         """Bind rows [first, first + count) of `value` (a buffer of tensor `past`) as `name`, by address."""

@@ -15,7 +15,7 @@ import onnxruntime as ort
 
 from runtime.artifact import Artifact
 from runtime.cache import buffers
-from runtime.contract import is_shift_state
+from runtime.contract import BATCH_AXIS, is_shift_state
 
 
 class ShiftStates:
@@ -25,10 +25,9 @@ class ShiftStates:
         self.pairs = [(past, present) for past, present in zip(artifact.past_names(), artifact.present_names(),
                                                                strict=True) if is_shift_state(past)]  # fmt: skip
         self.dtypes = {past: artifact.input_spec(past)["dtype"] for past, _ in self.pairs}
-        widths = {past: artifact.input_spec(past)["axes"][1] for past, _ in self.pairs}
 
         def zeros(past: str, count: int) -> ort.OrtValue:
-            return buffers.zeros([count, widths[past]], self.dtypes[past], self.device, touched)
+            return buffers.zeros_of(artifact.input_spec(past), {BATCH_AXIS: count}, self.device, touched)
 
         self.current = {past: zeros(past, rows) for past, _ in self.pairs}  # what the next run reads
         self.spare = {past: zeros(past, rows) for past, _ in self.pairs}  # what it writes

@@ -166,11 +166,11 @@ class Engine:
             return config
         return replace(config, speculative=self.speculative)
 
-    def _reserved(self, feeds: int) -> int:
-        """The slots a row's `feeds` decode steps are sure to need: all of them, or with pruning the next one's
+    def _reserved(self, steps: int) -> int:
+        """The slots a row's `steps` decode steps are sure to need: all of them, or with pruning the next one's
         (at the end of the cache each row drops what it can; one that still needs more then fails, naming its
         head: see `_make_room`)."""
-        return feeds if self.model.pruning is None else min(feeds, 1)
+        return steps if self.model.pruning is None else min(steps, 1)
 
     def submit(
         self, prompt: list[int], config: GenerationConfig, emit: Callable[[Event], None],
@@ -281,7 +281,7 @@ class Engine:
             return
         self.filling = None
         if request.echo:
-            request.send(Prompt(fill.scores if fill.scoring else None))
+            request.send(Prompt(fill.scores if request.scores_prompt else None))
         if request.config.max_new_tokens > 0:
             self._join(fill, logits[:, -1])
         else:

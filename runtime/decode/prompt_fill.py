@@ -29,11 +29,6 @@ class PromptFill:
     done: int = 0  # chunks prefilled
 
     @property
-    def scoring(self) -> bool:
-        """Whether every position's logits are needed: to score an echoed prompt."""
-        return self.request.echo and self.request.logprobs is not None
-
-    @property
     def whole(self) -> bool:
         return self.done == len(self.spans)
 
@@ -51,7 +46,7 @@ class Prefiller:
     def cached_prefix(self, request: Request) -> list[Block]:
         """The cached blocks a request's prefill may start from: none for a request that scores its prompt (every
         position's logits are needed), and at least its last token is prefilled (for the first new one's logits)."""
-        if self.prefixes is None or (request.echo and request.logprobs is not None):
+        if self.prefixes is None or request.scores_prompt:
             return []
         return self.prefixes.longest(request.prompt, len(request.prompt) - 1)
 
@@ -73,8 +68,9 @@ class Prefiller:
         raises."""
         begin, end = fill.spans[fill.done]
         slot, mask = self.cache.prepare_chunk(fill.row, (begin, end))
-        ids = np.array([fill.request.prompt[begin:end]], dtype=np.int64)
-        bind_chunk(self.binding, self.model.artifact, ids, mask, slot, self.cache.device, not fill.scoring)
+        request = fill.request
+        ids = np.array([request.prompt[begin:end]], dtype=np.int64)
+        bind_chunk(self.binding, self.model.artifact, ids, mask, slot, self.cache.device, not request.scores_prompt)
         self.cache.bind_row(self.binding, fill.row, fill.done, len(fill.spans), fill.resumed > 0)
         self.model.artifact.session.run_with_iobinding(self.binding)
 
@@ -87,7 +83,7 @@ class Prefiller:
             slots, states = self.cache.read_chunk(fill.row, span, fill.done, len(fill.spans))
             self.prefixes.add(request.prompt, Block(end, begin, slots, states))
         logits = self.binding.get_outputs()[0].numpy()
-        if fill.scoring:
+        if request.scores_prompt:
             fill.scores += prompt_logprobs(logits[0], request.prompt, begin, request.config.sampling, request.logprobs)
         fill.done += 1
         return logits

@@ -49,6 +49,11 @@ class Request:
     echo: bool = False  # send a Prompt event first; max_new_tokens may then be 0
     cancelled: bool = False
 
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether it echoes its prompt with log-probabilities: every position's logits are needed then."""
+        return self.echo and self.logprobs is not None
+
     def cancel(self) -> None:
         """Free the request's row (or queue place) before the next step; it emits nothing more."""
         self.cancelled = True

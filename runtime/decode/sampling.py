@@ -90,7 +90,8 @@ def softmax(scores: np.ndarray, dtype: type = np.float64, log: bool = False) -> 
     """Row-wise (the last axis) softmax of `scores` taken in `dtype`, or with `log` its log: the scores less their
     maximum, exponentiated and summed. A score of -inf (a token removed) has probability 0, log-probability -inf.
     The runtime's one softmax: sampling takes it in float64, so the probabilities of a large vocabulary still sum to
-    1 closely; log-probabilities (runtime/logprobs.py) in float32, scoring (runtime/scoring.py) in float64."""
+    1 closely; log-probabilities (runtime/decode/logprobs.py) in float32, scoring (runtime/decode/scoring.py) in
+    float64."""
     scores = np.asarray(scores, dtype=dtype)
     shifted = scores - scores.max(axis=-1, keepdims=True)
     exponentials = np.exp(shifted)
