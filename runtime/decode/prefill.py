@@ -119,11 +119,10 @@ def prefill(
     batch, width = ids.shape
     step, by_row = chunking(artifact, cache, width, most)
     binding = artifact.session.io_binding()
-    logits = []
+    logits, generating = [], None if by_row else slice(None)  # by row, nothing is pruned
     for part in [slice(row, row + 1) for row in range(batch)] if by_row else [slice(0, batch)]:
         pieces, filled, chunk, chunks = [], 0, 0, -(-width // step)  # by row, every chunk is whole
         while filled < width:
-            generating = None if by_row else slice(None)  # by row, nothing is pruned
             new, slot, window = cache.prepare_chunk(mask[part], filled, min(step, width - filled), generating)
             bind_chunk(binding, artifact, ids[part, filled : filled + new], window, slot, cache.device,
                        not every_position)  # fmt: skip
