@@ -81,7 +81,7 @@ def check_artifact(folder: Path, model, provider: str) -> dict:
     addresses, cache = [], DeviceCache(generator.model.artifact, len(batch_prompts))
 
     def record(_event):
-        addresses.append({name: cache.past[name].data_ptr() for name in cache.in_place})
+        addresses.append({name: cache.held_in(name).data_ptr() for name in cache.in_place})
 
     config = GenerationConfig(max_new_tokens=PARITY_TOKENS, min_new_tokens=PARITY_TOKENS)
     got = generator.generate(batch_prompts, config, keep_logits=True, on_token=record, cache=cache)

@@ -10,7 +10,7 @@ from runtime.artifact import Artifact, SessionOptions
 from runtime.cache.buffers import HOST_TYPES, to_host
 from runtime.cache.device_cache import DeviceCache
 from runtime.cache.row_cache import RowCache
-from runtime.decode.step import DecodeStep
+from runtime.decode.step import DecodeStep, fitted
 
 PRESET = "fox-pro-tiny"  # token-shift states: the tensors that trade buffers between the two bindings
 ROWS = [1, 2, 2, 3, 3, 2, 2]  # rows [0, n) stepped at each clock: requests join the engine's rows and leave
@@ -62,11 +62,11 @@ def test_a_row_cache_step_over_rows_that_come_and_go_equals_session_run(artifact
             if row < rows:
                 cache.join(row, None)
             else:
-                cache.leave(row)
+                cache.end_row(row)
         ids = rng.integers(0, artifact.vocab_size, (rows, 1))
         mask = np.ones((rows, clock + 1), dtype=np.int64)
         want = reference_step(artifact, pasts, ids, mask, clock)
-        np.testing.assert_array_equal(step(ids)[:, -1], want)
+        np.testing.assert_array_equal(step(fitted(cache, ids))[:, -1], want)
     for row in range(max(ROWS)):  # what the steps left in each row: the slots, and a running row's shift states
         slots, states = cache.read_block(row, 0, cache.length, 0, 1)
         for name, host in {**slots, **(states if row < ROWS[-1] else {})}.items():
@@ -76,15 +76,14 @@ def test_a_row_cache_step_over_rows_that_come_and_go_equals_session_run(artifact
 def test_a_device_cache_step_over_a_growing_batch_equals_session_run(artifacts):
     artifact, batch = artifacts["dynamic"], 2
     cache = DeviceCache(artifact, batch)
-    cache.start(None, width=4, new_tokens=1)  # shorter than the steps: the buffers double on the way
+    mask = np.ones((batch, len(ROWS)), dtype=np.int64)
+    cache.start(None, mask.copy(), 4)  # a 4-token prompt's room, shorter than the steps: the buffers double on the way
     step = DecodeStep(artifact, cache, artifact.session.run_with_iobinding)
     pasts, rng = empty_pasts(artifact, batch), np.random.default_rng(1)
-    mask = np.ones((batch, len(ROWS)), dtype=np.int64)
-    cache.decode_after(mask.copy(), 0)
     for filled in range(len(ROWS)):
         ids = rng.integers(0, artifact.vocab_size, (batch, 1))
         want = reference_step(artifact, pasts, ids, mask[:, : filled + 1], filled)
-        np.testing.assert_array_equal(step(ids)[:, -1], want)
+        np.testing.assert_array_equal(step(fitted(cache, ids))[:, -1], want)
     for name, reference in pasts.items():
         kept = to_host(cache.held_in(name), artifact.input_spec(name)["dtype"])
         kept = kept[:, :, : reference.shape[2]] if name in cache.in_place else kept  # the buffers' filled slots

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from runtime.artifact import Artifact, SessionOptions
-from runtime.cache.buffers import from_host, to_host
+from runtime.cache.buffers import overwrite, to_host
 from runtime.cache.device_cache import DeviceCache
 from runtime.decode.prefill import chunking
 from runtime.errors import RequestError
@@ -38,17 +38,17 @@ def test_the_window_mask_keeps_each_positions_count_of_the_tokens_before_it(cach
 
 def test_growing_buffers_keep_what_they_hold_and_at_least_double(cache):
     cache.reset()
-    cache.start(None, width=5, new_tokens=1)
+    cache.start(None, np.ones((cache.batch, 6), dtype=np.int64), 5)  # 5 prompt tokens, 1 new
     rng = np.random.default_rng(0)
     written = {}
     for name in cache.in_place:
-        host = rng.normal(size=to_host(cache.past[name], cache.dtypes[name]).shape).astype(np.float32)
-        cache.past[name] = from_host(host, cache.dtypes[name], cache.device)
+        host = rng.normal(size=to_host(cache.held_in(name), cache.dtypes[name]).shape).astype(np.float32)
+        overwrite(cache.held_in(name), host, cache.dtypes[name])
         written[name] = host
     cache.reserve(7)
     assert cache.length == 10  # 7 asked, but twice 5
     for name, host in written.items():
-        grown = to_host(cache.past[name], cache.dtypes[name])
+        grown = to_host(cache.held_in(name), cache.dtypes[name])
         assert grown.shape[2] == 10
         np.testing.assert_array_equal(grown[:, :, :5], host)
         assert not grown[:, :, 5:].any()

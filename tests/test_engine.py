@@ -273,4 +273,4 @@ def test_what_cannot_be_served_is_refused_with_the_fix(exported):
         with pytest.raises(RequestError):
             engine.submit(prompt, config, lambda event: None)
     engine.close()
-    assert np.isfinite(engine.cache.buffers[generator.model.artifact.past_names()[0]].numpy()).all()
+    assert np.isfinite(engine.cache.held_in(generator.model.artifact.past_names()[0]).numpy()).all()

@@ -223,9 +223,47 @@ def test_trim_takes_the_clock_back_over_the_latest_slots_every_running_row_left_
     step(4, {0: 1, 1: 3})
     step(3, {0: 1, 1: 1})
     step(3, {0: 3, 1: 3})  # every draft kept: nothing to take back
-    cache.leave(1)
+    cache.end_row(1)
     step(4, {0: 2})  # a lone row's rejected drafts
     # each step leaves the most any row kept (3, 1, 3, 2); FoX-Pro's rows without each token's states go back over a
     # step they keep part of and feed those tokens again, so only the step that kept everything stays
     shifts = any(is_shift_state(past) for past in cache.artifact.past_names())
     assert cache.clock == 10 + (3 if shifts and not given else 3 + 1 + 3 + 2)
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_keeping_for_every_running_row_at_once_is_keeping_for_each(exported, given):
+    """`keep(kept)` over every running row leaves the holes, gates and shift states that `keep(kept, row)` for each
+    running row leaves (and a free row's untouched)."""
+    artifact = Artifact.open(exported("fox-pro-tiny", "static")[0].path, CPU)
+    shifted = [past for past in artifact.past_names() if is_shift_state(past)]
+    caches = [RowCache(artifact, 3), RowCache(artifact, 3)]
+    rng = np.random.default_rng(5)
+    widths = {past: buffers.to_host(caches[0].held_in(past), "float32").shape[1] for past in shifted}
+    states = {past: rng.standard_normal((3, 4, size), dtype=np.float32) for past, size in widths.items()}
+    read = {past: rng.standard_normal((3, size), dtype=np.float32) for past, size in widths.items()}
+    for cache in caches:  # the same leftovers in both, and the same states for the step to read
+        junk(cache, 7)
+        for past, host in read.items():
+            buffers.overwrite(cache.held_in(past), host.copy(), "float32")
+    for cache in caches:
+        cache.clock = 10
+        for row in (0, 2):
+            cache.join(row, None)
+        cache.advance(width=4, states=states if given else None)
+    together = caches[0].keep(2)
+    apart = [caches[1].keep(2, row) for row in (0, 2)]
+    assert apart == [together, together]
+    np.testing.assert_array_equal(caches[0].holes, caches[1].holes)
+    first = 10 + (0 if together else 2)  # of the step's slots [10, 14); without each token's states, all of them
+    assert together == (0 if given else 2)
+    assert caches[0].holes[[0, 2], first:14].all() and not caches[0].holes[[0, 2], :first].any()
+    assert not caches[0].holes[1].any()
+    for gate in artifact.gate_names():
+        host = buffers.to_host(caches[0].held_in(gate), "float32")
+        assert not host[[0, 2], :, first:14].any() and host[1, :, first:14].all()
+    for past in shifted:  # the state after the last kept token, or the one the step read
+        want = states[past][:, 1] if given else read[past]
+        np.testing.assert_array_equal(buffers.to_host(caches[0].held_in(past), "float32")[[0, 2]], want[[0, 2]])
+    for past in artifact.past_names():
+        np.testing.assert_array_equal(*(buffers.to_host(cache.held_in(past), "float32") for cache in caches), past)

@@ -74,7 +74,7 @@ def assert_addresses_stay(generator: Generator) -> None:
     seen, cache = [], DeviceCache(generator.model.artifact, len(PROMPTS))
 
     def record(_event):
-        seen.append({name: cache.past[name].data_ptr() for name in cache.in_place})
+        seen.append({name: cache.held_in(name).data_ptr() for name in cache.in_place})
 
     generator.generate(PROMPTS, GenerationConfig(max_new_tokens=6, min_new_tokens=6), on_token=record, cache=cache)
     generator.generate(PROMPTS, GenerationConfig(max_new_tokens=4, min_new_tokens=4), on_token=record, cache=cache)

@@ -23,6 +23,7 @@ import onnxruntime as ort
 from runtime.artifact import Artifact
 from runtime.cache import buffers
 from runtime.cache.pruned_window import PrunedWindow
+from runtime.cache.pruning import PruningError
 from runtime.cache.shift_states import ShiftStates
 from runtime.contract import BATCH_AXIS, PAST_AXIS, WINDOW_OFFSETS, held_in_place, is_shift_state
 
@@ -56,10 +57,12 @@ class DeviceCache:
         self.states = ShiftStates(artifact, batch)
         self.past: dict[str, ort.OrtValue] = {}
         self.held: tuple[int, dict[str, np.ndarray]] | None = None  # see `hold`
-        # A decode's progress (see `decode_after`): its mask, the rows still generating, where the latest run began
-        # and the positions filled, and the tokens kept that the next run feeds again first and that the latest fed
+        # A request's progress: its mask (see `start`), the rows still generating, where the latest run began (a
+        # prompt's chunk: its last position, the one whose logits choose) and the positions filled, the tokens kept
+        # that the next run feeds again first and that the latest fed, and the tokens a row the next step may write
         self.mask, self.live = np.ones((batch, 0), dtype=np.int64), np.ones(batch, dtype=bool)
         self.run_start = self.filled = self.again = self.lead = 0
+        self.room = 1  # see `make_room`
         self.rewinds = False  # whether keeping fewer of the latest run's tokens goes back to its start (see `keep`)
         self.reset()
 
@@ -110,25 +113,21 @@ class DeviceCache:
             if past not in self.in_place or past not in self.past or own_windows:
                 self.past[past] = self._zeros(past)
 
-    def start(self, thresholds: np.ndarray | None, width: int, new_tokens: int) -> None:
-        """Begin a request of prompts `width` long and up to `new_tokens` more: from now on drop the slots every
-        head's decay has put below its threshold (`[layers, heads]`, see runtime/cache/pruning.py; None: keep
-        every slot), else make the buffers hold the prompts and RESERVED_NEW_TOKENS more from the start."""
+    def start(self, thresholds: np.ndarray | None, mask: np.ndarray, width: int) -> None:
+        """Begin a request of prompts `width` long, attended as `mask` `[batch, width + new tokens]` says (the cache
+        keeps it, and marks in it where rows end, see `end_row`): from now on drop the slots every head's decay has
+        put below its threshold (`[layers, heads]`, see runtime/cache/pruning.py; None: keep every slot), else make
+        the buffers hold the prompts and RESERVED_NEW_TOKENS more from the start."""
         self.window.start(thresholds)
-        if thresholds is None:
-            self.reserve(width + min(new_tokens - 1, RESERVED_NEW_TOKENS))  # the last new token is never fed back
+        self.mask, self.live = mask, np.ones(self.batch, dtype=bool)
+        self.run_start = self.filled = self.again = self.lead = 0
+        if thresholds is None:  # the last new token is never fed back
+            self.reserve(width + min(max(mask.shape[1] - width - 1, 0), RESERVED_NEW_TOKENS))
 
     def buffer_length(self, width: int) -> int:
         """The most slots a run over prompts `width` long attends: a static buffer's length, a growing buffer's, or
         `width` while the cache holds nothing."""
         return self.artifact.manifest["cache"]["max_cache_len"] if self.artifact.static else self.length or width
-
-    def decode_after(self, mask: np.ndarray, filled: int) -> None:
-        """Decode runs follow, after the first `filled` positions of `mask` `[batch, >= every position fed]`, the
-        prompt's last the latest run's; the cache keeps the mask and marks in it where rows end (see `end_row`)."""
-        self.mask, self.live = mask, np.ones(self.batch, dtype=bool)
-        self.run_start, self.filled = filled - 1, filled
-        self.again = self.lead = 0
 
     def end_row(self, row: int, index: int = 0) -> None:
         """`row` generates no more after the token chosen from the latest run's position `index` (after those it fed
@@ -136,20 +135,34 @@ class DeviceCache:
         self.mask[row, self.run_start + self.lead + index + 1 :] = 0
         self.live[row] = False
 
-    def prepare_step(self, rows: int, width: int = 1) -> tuple[int, int, np.ndarray]:
-        """Before a decode step of up to `width` tokens a row (over every row: `rows` is the batch; a token and the
-        drafts after it, see `keep`): how many fit, the slot the first is written to and the step's attention mask,
-        pruning first at the decode's cadence."""
-        new, slot, window = self.prepare_chunk(self.mask, self.filled, width, self.live, cadence=True)
-        self.run_start, self.filled, self.lead, self.again = self.filled, self.filled + new, self.again, 0
-        return new, slot, window
+    def make_room(self, width: int) -> list[tuple[int, PruningError]]:
+        """Before a decode step of up to `width` tokens a row (a token and the drafts after it, see `keep`): prune at
+        the decode's cadence, and where a pruned cache is full, as far as the rows still generating allow, never
+        past where `rewind` may go back to. `room` then says how many of them fit; where not one does, every row
+        generating fails with the error (returned, by row), as its rows share every slot."""
+        held = None if self.held is None else self.held[0]
+        try:
+            self.room, moved = self.window.make_room(self.past, self.filled, width, self.live, True, held)
+        except PruningError as error:
+            return [(int(row), error) for row in np.flatnonzero(self.live)]
+        self.stale_bindings |= moved  # a layer's presents may now come folded, or no longer
+        return []
 
-    def keep(self, kept: int) -> int:
+    def prepare_step(self, rows: int, width: int = 1) -> tuple[int, np.ndarray]:
+        """Before a decode step of `width` tokens a row over every row (`rows`: the batch), no more than `make_room`
+        left room for: the slot the first is written to, and the step's attention mask."""
+        slot, mask = self._window(self.mask, self.filled, width)
+        self.run_start, self.filled, self.lead, self.again = self.filled, self.filled + width, self.again, 0
+        return slot, mask
+
+    def keep(self, kept: int, row: int | None = None) -> int:
         """Of the latest run's positions after those it fed again keep the first `kept` (the drafts chosen, and the
-        token before them): the others' gates are cleared, as `reset` leaves slots, and a fed-back cache is cut.
-        Where the model shifts tokens, the states become those after the last kept token (ShiftStates.keep), or the
-        cache goes back to the run's start, and the next run must feed the run's first tokens again, up to those
-        kept: returns how many (else 0)."""
+        token before them), in every row: its rows hold the same positions, so `row` is None. The others' gates are
+        cleared, as `reset` leaves slots, and a fed-back cache is cut. Where the model shifts tokens, the states
+        become those after the last kept token (ShiftStates.keep), or the cache goes back to the run's start, and
+        the next run must feed the run's first tokens again, up to those kept: returns how many (else 0)."""
+        if row is not None:
+            raise ValueError("a generation's rows keep the same positions: keep(kept) keeps them in every row")
         end, self.filled = self.filled, self.run_start + self.lead + kept
         if self.filled >= end:
             return 0
@@ -184,22 +197,28 @@ class DeviceCache:
             host = buffers.to_host(self.past[past], self.dtypes[past])[:, :, : self.filled]
             self.past[past] = buffers.from_host(np.ascontiguousarray(host), self.dtypes[past], self.device)
 
-    def prepare_chunk(
-        self, mask: np.ndarray, filled: int, new: int, generating=slice(None), cadence: bool = False
-    ) -> tuple[int, int, np.ndarray]:  # fmt: skip
-        """Before a run of up to `new` positions after the first `filled` of `mask` `[batch, >= filled + new]`:
-        make room for them (PrunedWindow.make_room over `generating`, the rows still generating; None: drop nothing,
-        as for
-        a prompt prefilled row by row) and grow the buffers to hold them. Returns how many of them fit (all,
-        without pruning: `Model.check_request` saw to that), the slot the first is written to, and the run's
-        attention mask."""
-        if generating is not None:
-            held = None if self.held is None else self.held[0]  # never drop a position `rewind` may go back to
-            new, moved = self.window.make_room(self.past, filled, new, generating, cadence, held)
-            self.stale_bindings |= moved  # a layer's presents may now come folded, or no longer
+    def prepare_chunk(self, row: int | None, span: tuple[int, int]) -> tuple[int, int, np.ndarray]:
+        """Before feeding the prompts' positions [first, last) into every row (`row` None), or into `row` alone (a
+        batch prefilled row by row, which drops nothing: see runtime/decode/prefill.py's `chunking`): make room for
+        them, pruning what the rows allow at every chunk, and grow the buffers to hold them. Returns how many fit
+        (all, without pruning: `Model.check_request` saw to that), the slot the first is written to, and the
+        chunk's attention mask."""
+        first, last = span
+        new = last - first
+        if row is None:
+            new, moved = self.window.make_room(self.past, first, new, self.live, False, None)
+            self.stale_bindings |= moved
+        slot, mask = self._window(self.mask if row is None else self.mask[row : row + 1], first, new)
+        self.filled, self.lead, self.again = first + new, 0, 0
+        self.run_start = self.filled - 1  # the chunk's last position alone chooses a token
+        return new, slot, mask
+
+    def _window(self, mask: np.ndarray, filled: int, new: int) -> tuple[int, np.ndarray]:
+        """The slot a run of `new` positions after the first `filled` of `mask` writes first, and its attention mask,
+        the buffers grown to hold them."""
         slot = filled - self.window.offset
         self.reserve(slot + new)
-        return new, slot, self.window.mask(mask, filled + new)
+        return slot, self.window.mask(mask, filled + new)
 
     def held_in(self, past: str) -> ort.OrtValue:
         """The buffer that holds cache tensor `past` now (its contents, for a test or a check to read)."""

@@ -97,19 +97,20 @@ class RowCache:
         self.clock, self.width = self.clock + width, width
         self.states.advance(states)
 
-    def keep(self, kept: int, row: int) -> int:
-        """Of the latest step's slots of `row`, keep the first `kept`; the others become holes. Where the model shifts
-        tokens and some are not kept, its state becomes the one after the last kept token (ShiftStates.keep), or the
-        row goes back to its state before the step, every slot of the step a hole: returns how many tokens the row's
-        next step must feed again first (else 0)."""
+    def keep(self, kept: int, row: int | None = None) -> int:
+        """Of the latest step's slots of `row` (None: of every running row), keep the first `kept`; the others become
+        holes. Where the model shifts tokens and some are not kept, the state becomes the one after the last kept
+        token (ShiftStates.keep), or the row goes back to its state before the step, every slot of the step a hole:
+        returns how many tokens the row's next step must feed again first (else 0)."""
         if kept >= self.width:
             return 0
-        again = kept if self.states.keep(row, kept) else 0
+        rows = sorted(self.running) if row is None else [row]
+        again = kept if self.states.keep(rows, kept) else 0
         first = self.clock - self.width + (0 if again else kept)
-        self.holes[row, first : self.clock] = True
+        self.holes[rows, first : self.clock] = True
         for past in self.gate_names:
             with buffers.on_host(self.buffers[past], "float32", self.device) as host:
-                host[row, :, first : self.clock] = 0
+                host[rows, :, first : self.clock] = 0
         return again
 
     def trim(self) -> None:
@@ -198,7 +199,9 @@ class RowCache:
         self.running[row], self.dropped[row] = thresholds, 0
         self.holes[row] = False
 
-    def leave(self, row: int) -> None:
+    def end_row(self, row: int, index: int = 0) -> None:
+        """`row` decodes no more (after the token chosen at `index` of the latest step: its slots go with it): free for
+        the next request's prompt."""
         self.running.pop(row, None)
 
     def place(self, row: int, length: int, chunks: int, reserved: int) -> bool:
@@ -224,18 +227,19 @@ class RowCache:
         self.begins[row] = end - length
         return True
 
-    def prepare_chunk(self, row: int, span: tuple[int, int]) -> tuple[int, np.ndarray]:
-        """Before prefilling the prompt's tokens [first, last) into `row` (see `place`): the slot the first is written
-        to, and the chunk's attention mask `[1, slot + last - first]`. A chunk writes slots the clock has passed (a
-        decode step meanwhile writes padding into the row's slot at the clock, which a later chunk overwrites); the
-        clock lags the chunks only while no row decodes, and then catches up here, without a step."""
+    def prepare_chunk(self, row: int, span: tuple[int, int]) -> tuple[int, int, np.ndarray]:
+        """Before prefilling the prompt's tokens [first, last) into `row` (see `place`): how many (all of them), the
+        slot the first is written to, and the chunk's attention mask `[1, slot + last - first]`. A chunk writes slots
+        the clock has passed (a decode step meanwhile writes padding into the row's slot at the clock, which a later
+        chunk overwrites); the clock lags the chunks only while no row decodes, and then catches up here, without a
+        step."""
         begin, (first, last) = int(self.begins[row]), span
         self.clock = max(self.clock, begin + last)
         mask = np.zeros((1, begin + last), dtype=np.int64)
         mask[:, begin:] = 1
-        return begin + first, mask
+        return last - first, begin + first, mask
 
-    def before_step(self, width: int = 1) -> list[tuple[int, PruningError]]:
+    def make_room(self, width: int) -> list[tuple[int, PruningError]]:
         """Make room for a decode step of `width` tokens a row (fewer fit only at the end of the cache, see `room`):
         there, drop what pruning allows and move the running rows to the front, and while that leaves no room for
         one, the row that holds the most slots leaves (returned, with the error naming the head that needs them);
@@ -252,17 +256,17 @@ class RowCache:
                 break
             row = min(self.running, key=lambda r: self.begins[r])
             failed.append((row, PruningError.no_room(needs[row], self.running[row], self.length)))
-            self.leave(row)
+            self.end_row(row)
         return failed
 
     @property
     def room(self) -> int:
-        """The tokens a row the next step may write (after `before_step`)."""
+        """The tokens a row the next step may write (after `make_room`)."""
         return self.length - self.clock
 
-    def prepare_step(self, rows: int, width: int = 1) -> tuple[int, int, np.ndarray]:
-        """Before a decode step of `width` tokens a row over rows [0, rows) (after `before_step`, which made room for
-        them all): `width`, the slot its first writes (the clock), and its attention mask `[rows, clock + width]`. A
+    def prepare_step(self, rows: int, width: int = 1) -> tuple[int, np.ndarray]:
+        """Before a decode step of `width` tokens a row over rows [0, rows) (after `make_room`, which made room for
+        them all): the slot its first writes (the clock), and its attention mask `[rows, clock + width]`. A
         running row attends its slots from its first kept one but its holes, and that first kept slot also counts the
         positions dropped before it (so that RoPE positions count them: `count_dropped`, as a generation's
         PrunedWindow.mask does); any other
@@ -275,7 +279,7 @@ class RowCache:
         attended[:, : self.clock] &= ~self.holes[:rows, : self.clock]
         mask = attended.astype(np.int64)
         count_dropped(mask, attended.argmax(axis=1), dropped)  # at each row's first attended slot
-        return width, self.clock, mask
+        return self.clock, mask
 
     def _prune(self) -> dict[int, np.ndarray]:
         """Drop each pruned row's oldest slots that every head of every layer allows (they fall out of its mask,

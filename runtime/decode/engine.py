@@ -231,7 +231,7 @@ class Engine:
 
     def _free(self, index: int) -> None:
         self.running[index] = None
-        self.cache.leave(index)
+        self.cache.end_row(index)
 
     def _next_waiting(self) -> Request | None:
         """The oldest queued request still wanted, dropping those cancelled or past their deadline."""
@@ -309,7 +309,7 @@ class Engine:
         running = [(index, row) for index, row in enumerate(self.running) if row is not None]
         speculating = self.filling is None and len(running) <= speculation_limit(running, self.speculative_max_rows)
         widest = max((len(row.pending) + row.search.budget for _, row in running), default=1)
-        for index, error in self.cache.before_step(widest if speculating else 1):  # a row the cache has no room for
+        for index, error in self.cache.make_room(widest if speculating else 1):  # a row the cache has no room for
             request = self.running[index].request
             self._free(index)
             request.send(Failed(str(error)))

@@ -22,7 +22,7 @@ from runtime.cache.pruning import AS_EXPORTED, Tolerance
 from runtime.decode.model import Model
 from runtime.decode.prefill import SessionClock, left_padded, prefill
 from runtime.decode.search import GenerationConfig, Search
-from runtime.decode.step import DecodeStep
+from runtime.decode.step import DecodeStep, fitted
 from runtime.text.text_stream import TextStream
 
 IDLE_CACHES = 4  # caches kept for later calls once the calls that used them have ended, most recent first
@@ -139,9 +139,9 @@ class Generator:
         start = time.perf_counter()
         ids, mask = left_padded(prompts, model.pad, config.max_new_tokens)
         width = ids.shape[1]
-        cache.start(model.thresholds(width + config.max_new_tokens - 1), width, config.max_new_tokens)
+        cache.start(model.thresholds(width + config.max_new_tokens - 1), mask, width)
         run = SessionClock(artifact.session)
-        logits = prefill(artifact, cache, ids, mask, config.prefill_chunk, run)
+        logits = prefill(artifact, cache, ids, config.prefill_chunk, run)
         prefill_s, first_token_s, step_logits = run.seconds, None, []
         search = Search(config, prompts, model.eos, model.pad, model.grammar(config.constraint))
         texts = [TextStream(model.tokenizer) for _ in prompts] if text_events and model.tokenizer else None
@@ -165,7 +165,7 @@ class Generator:
                 break
             drafts, latest = search.drafts(), chosen[:, None]  # one step: the tokens fed again, the latest, its drafts
             fed = np.concatenate([fed[:, :lead], latest, drafts], axis=1) if lead or drafts.size else latest
-            outputs = decode_step(fed)[:, lead:]
+            outputs = decode_step(fitted(cache, fed))[:, lead:]
         return self._result(search, cache, run, time.perf_counter() - start, first_token_s, prefill_s, step_logits)
 
     def _result(
@@ -198,7 +198,6 @@ class Generator:
         batch, width = ids.shape
         self.model.check_request(ids.tolist(), GenerationConfig(max_new_tokens=1, prefill_chunk=prefill_chunk))
         with self._held_cache(batch, None) as cache:
-            cache.start(self.model.thresholds(width), width, 1)
-            mask = np.ones((batch, width), dtype=np.int64)
+            cache.start(self.model.thresholds(width), np.ones((batch, width), dtype=np.int64), width)
             run = SessionClock(self.model.artifact.session)
-            return prefill(self.model.artifact, cache, ids, mask, prefill_chunk, run, every_position=True)
+            return prefill(self.model.artifact, cache, ids, prefill_chunk, run, every_position=True)

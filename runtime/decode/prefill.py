@@ -109,34 +109,33 @@ def chunking(artifact: Artifact, cache: DeviceCache, width: int, most: int) -> t
 
 
 def prefill(
-    artifact: Artifact, cache: DeviceCache, ids: np.ndarray, mask: np.ndarray, most: int,
-    run: Callable[[ort.IOBinding], None], every_position: bool = False,
+    artifact: Artifact, cache: DeviceCache, ids: np.ndarray, most: int, run: Callable[[ort.IOBinding], None],
+    every_position: bool = False,
 ) -> np.ndarray:  # fmt: skip
-    """Feed the prompts `ids` `[batch, width]` (`mask` covers at least `width`) into the empty `cache` in chunks of
-    at most `most` tokens, or row by row (see `chunking`), so that a run's attention terms and logits never grow
-    with the prompt; returns the logits of every position `[batch, width, vocab]`, or of the last `[batch, vocab]`.
-    Decode steps may follow (`DeviceCache.decode_after`)."""
+    """Feed the prompts `ids` `[batch, width]` into the `cache` (started, empty) in chunks of at most `most` tokens,
+    or row by row (see `chunking`), so that a run's attention terms and logits never grow with the prompt; returns
+    the logits of every position `[batch, width, vocab]`, or of the last `[batch, vocab]`. Decode steps may follow."""
     batch, width = ids.shape
     step, by_row = chunking(artifact, cache, width, most)
     binding = artifact.session.io_binding()
-    logits, generating = [], None if by_row else slice(None)  # by row, nothing is pruned
-    for part in [slice(row, row + 1) for row in range(batch)] if by_row else [slice(0, batch)]:
+    logits = []
+    for row in range(batch) if by_row else [None]:
+        part = slice(None) if row is None else slice(row, row + 1)
         pieces, filled, chunk, chunks = [], 0, 0, -(-width // step)  # by row, every chunk is whole
         while filled < width:
-            new, slot, window = cache.prepare_chunk(mask[part], filled, min(step, width - filled), generating)
+            new, slot, window = cache.prepare_chunk(row, (filled, min(filled + step, width)))
             bind_chunk(binding, artifact, ids[part, filled : filled + new], window, slot, cache.device,
                        not every_position)  # fmt: skip
-            if by_row:
-                cache.bind_row(binding, part.start, chunk, chunks)
-            else:
+            if row is None:
                 cache.bind(binding)
+            else:
+                cache.bind_row(binding, row, chunk, chunks)
             run(binding)
             outputs = binding.get_outputs()
-            if not by_row:
+            if row is None:
                 cache.advance(outputs)
             filled, chunk = filled + new, chunk + 1
             if every_position or filled == width:
                 pieces.append(outputs[0].numpy())
         logits.append(np.concatenate(pieces, axis=1) if every_position else pieces[-1][:, -1])
-    cache.decode_after(mask, width)
     return np.concatenate(logits, axis=0)

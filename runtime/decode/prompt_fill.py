@@ -67,7 +67,7 @@ class Prefiller:
         """Run the fill's next chunk (where the cache places it, see RowCache.prepare_chunk); raises what onnxruntime
         raises."""
         begin, end = fill.spans[fill.done]
-        slot, mask = self.cache.prepare_chunk(fill.row, (begin, end))
+        _, slot, mask = self.cache.prepare_chunk(fill.row, (begin, end))
         request = fill.request
         ids = np.array([request.prompt[begin:end]], dtype=np.int64)
         bind_chunk(self.binding, self.model.artifact, ids, mask, slot, self.cache.device, not request.scores_prompt)

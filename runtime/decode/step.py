@@ -62,11 +62,11 @@ class DecodeStep:
             bind(name, value)
 
     def __call__(self, tokens: np.ndarray) -> np.ndarray:
-        """Feed `tokens` `[rows, width]` into rows [0, rows) of the cache, where and over what it says; returns the
-        logits at each position fed `[rows, fed, vocab]`: all of them, or fewer where a pruned cache has room for
-        fewer (never for fewer than one)."""
-        rows = len(tokens)
-        width, slot, mask = self.cache.prepare_step(rows, tokens.shape[1])
+        """Feed `tokens` `[rows, width]` into rows [0, rows) of the cache, where and over what it says, once it has
+        made room for them (`Cache.make_room`; see `fitted`); returns the logits at each position `[rows, width,
+        vocab]`."""
+        rows, width = tokens.shape
+        slot, mask = self.cache.prepare_step(rows, width)
         resized = rows != self.rows
         tensors, states = self._buffers(rows, width)
         turn = self.steps % 2
@@ -78,7 +78,7 @@ class DecodeStep:
                 self.bound[index] = tensors
         self.cache.bind_step(binding, following, rows, resized=resized)
         on_host = self.cache.device == "cpu"
-        tensors[INPUT_IDS][0][...] = tokens[:, :width]
+        tensors[INPUT_IDS][0][...] = tokens
         if self.artifact.static:
             tensors[CACHE_POSITION][0][...] = range(slot, slot + width)  # written in place: no array a step
         if not on_host:
@@ -91,3 +91,11 @@ class DecodeStep:
         self.cache.advance(binding.get_outputs() if self.cache.feeds_back else None, width, states)
         host, device = tensors[LOGITS]
         return host if on_host else device.numpy()
+
+
+def fitted(cache: Cache, tokens: np.ndarray) -> np.ndarray:
+    """`tokens` `[rows, width]` cut to what `cache` has made room for, for a loop whose rows share their positions
+    (a generation's, a draft model's): where a row has no room for one, the loop fails with the row's error."""
+    for _, error in cache.make_room(tokens.shape[1]):
+        raise error
+    return tokens[:, : cache.room]

@@ -22,7 +22,7 @@ from runtime.decode.model import Model
 from runtime.decode.prefill import left_padded, prefill
 from runtime.decode.sampling import Sampler, SamplingConfig
 from runtime.decode.search import GenerationConfig
-from runtime.decode.step import DecodeStep
+from runtime.decode.step import DecodeStep, fitted
 from runtime.errors import RequestError
 
 
@@ -70,8 +70,8 @@ class ModelDrafter:
         self.cache = DeviceCache(artifact, 1)
         run = artifact.session.run_with_iobinding
         ids, mask = left_padded([prompt], model.pad, config.max_new_tokens)
-        self.cache.start(model.thresholds(len(prompt) + config.max_new_tokens - 1), len(prompt), config.max_new_tokens)
-        prefill(artifact, self.cache, ids, mask, config.prefill_chunk, run)
+        self.cache.start(model.thresholds(len(prompt) + config.max_new_tokens - 1), mask, len(prompt))
+        prefill(artifact, self.cache, ids, config.prefill_chunk, run)
         self.step = DecodeStep(artifact, self.cache, run)
         self.text, self.fed = list(prompt), len(prompt)  # the tokens chosen so far, and those the cache holds
         sampling = config.sampling
@@ -89,7 +89,7 @@ class ModelDrafter:
         """Up to `most` drafts after the text; none when a pruned cache could not take the tokens chosen since the
         last round (the next round feeds the rest)."""
         chosen = np.array([self.text[self.fed :]], dtype=np.int64)
-        logits = self.step(chosen)
+        logits = self.step(fitted(self.cache, chosen))
         self.fed += logits.shape[1]
         self.distributions = []
         if self.fed < len(self.text):
@@ -98,7 +98,8 @@ class ModelDrafter:
         if most > 1:  # drafts fed to the cache, which goes back after them
             self.cache.hold()
             while len(drafts) < most:
-                drafts.append(self._draft(self.step(np.array([[drafts[-1]]], dtype=np.int64))[:, -1]))
+                latest = np.array([[drafts[-1]]], dtype=np.int64)
+                drafts.append(self._draft(self.step(fitted(self.cache, latest))[:, -1]))
             self.cache.rewind()
         return drafts
 
