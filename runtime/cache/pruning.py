@@ -121,5 +121,5 @@ def count_dropped(mask: np.ndarray, first, dropped: np.ndarray) -> None:
     """Make each row's column `first` (one for all rows, or one a row) of an attention `mask` `[rows, slots]` count
     the `dropped` `[rows]` positions pruned before it as well, so that the mask's running sum (a token's RoPE
     position) stays that of the whole sequence; a 0 (padding, or a row that has ended) stays 0."""
-    rows = np.arange(len(mask))
-    mask[rows, first] = np.where(mask[rows, first] > 0, mask[rows, first] + dropped, 0)
+    at = np.arange(len(mask)), first  # each row's column `first`
+    mask[at] = np.where(mask[at] > 0, mask[at] + dropped, 0)

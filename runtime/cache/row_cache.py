@@ -104,13 +104,13 @@ class RowCache:
         returns how many tokens the row's next step must feed again first (else 0)."""
         if kept >= self.width:
             return 0
-        rows = sorted(self.running) if row is None else [row]
-        again = kept if self.states.keep(rows, kept) else 0
+        selected = sorted(self.running) if row is None else [row]
+        again = kept if self.states.keep(selected, kept) else 0
         first = self.clock - self.width + (0 if again else kept)
-        self.holes[rows, first : self.clock] = True
+        self.holes[selected, first : self.clock] = True
         for past in self.gate_names:
             with buffers.on_host(self.buffers[past], "float32", self.device) as host:
-                host[rows, :, first : self.clock] = 0
+                host[selected, :, first : self.clock] = 0
         return again
 
     def trim(self) -> None:

@@ -150,8 +150,8 @@ class Sampler:
         token is then distributed as p, whatever q; it is the draft exactly when kept (a rejected draft has
         p < q, so no mass beyond q)."""
         p = self.distribution(logits, context, banned)
-        rows = np.arange(len(p))
-        kept = self._rng.random(len(p)) * drawn_from[rows, drafts] < p[rows, drafts]
+        at = np.arange(len(p)), drafts  # each row's draft
+        kept = self._rng.random(len(p)) * drawn_from[at] < p[at]
         if kept.all():
             return np.asarray(drafts, dtype=np.int64)
         return np.where(kept, drafts, self.draw(np.maximum(p - drawn_from, 0.0))).astype(np.int64)
