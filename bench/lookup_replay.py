@@ -22,7 +22,7 @@ import statistics
 import sys
 from dataclasses import dataclass, replace
 
-from report import record
+from report import record, table_row
 from run import artifact, machine
 from speculative import LOOKUP, MODULES, PRESETS, held_out_prompt
 
@@ -138,11 +138,10 @@ def table(results: dict) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for row in results["rows"]:
-        lines.append(
-            f"| {row['preset']} | {row['module']} | {row['cost_s'][0] * 1e6:.0f} | {row['cost_s'][-1] * 1e6:.0f} | "
-            f"{row['right'] / max(row['proposed'], 1):.0%} | {row['rule']:.2f}x | {row['cut']:.2f}x | "
-            f"{row['best_occurrence']:.2f}x |"
-        )
+        costs = [f"{seconds * 1e6:.0f}" for seconds in (row["cost_s"][0], row["cost_s"][-1])]
+        ratios = [f"{row[name]:.2f}x" for name in ("rule", "cut", "best_occurrence")]
+        right = f"{row['right'] / max(row['proposed'], 1):.0%}"
+        lines.append(table_row(row["preset"], row["module"], *costs, right, *ratios))
     return "\n".join([*lines, END])
 
 

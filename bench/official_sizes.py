@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import peers
-from report import record
+from report import fmt_spread, record, table_row
 from run import ARTIFACTS, Worker, interleaved_runs, machine, ratio, summary
 
 from exporters.pipeline.preflight import parameters
@@ -115,11 +115,10 @@ def table(results: dict) -> str:
         spread = row["decode_tokens_per_s"]
         vs = f"{row['decode_vs_genai']['median']:.2f}x" if "decode_vs_genai" in row else ""
         rss_vs = f"{row['rss_vs_genai']:.2f}x" if "rss_vs_genai" in row else ""
-        lines.append(
-            f"| {row['model']} | {precision} | {export} | {peak_text} | {row['system']} | {row['batch']} | "
-            f"{spread['median']:.1f} ({spread['min']:.1f} to {spread['max']:.1f}) | {vs} | "
-            f"{row['ttft_s']['median'] * 1e3:.0f} | {row['peak_rss_mb']:.0f} | {rss_vs} |"
-        )
+        lines.append(table_row(
+            row["model"], precision, export, peak_text, row["system"], row["batch"], fmt_spread(spread), vs,
+            f"{row['ttft_s']['median'] * 1e3:.0f}", f"{row['peak_rss_mb']:.0f}", rss_vs,
+        ))  # fmt: skip
     return "\n".join([*lines, END])
 
 

@@ -27,6 +27,11 @@ STATIC_SLOWDOWN = 1.25  # step at 200 filled: max_cache_len 2048 over max_cache_
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
 
+def table_row(*cells) -> str:
+    """A markdown table's row of `cells`."""
+    return f"| {' | '.join(map(str, cells))} |"
+
+
 def fmt_spread(spread: dict, scale: float = 1.0, digits: int = 1) -> str:
     """A spread as "median (min to max)", each times `scale`."""
     low, mid, high = (spread[k] * scale for k in ("min", "median", "max"))
