@@ -71,7 +71,8 @@ def commands(block: str) -> list[str]:
 
 def shape(shown: str) -> re.Pattern:
     """What an output block shows, with its numbers and spacing free, a line of `...` any lines, and `...` within a
-    line anything."""
+    line anything. Which cache tensor is worst at a step is free too: among values a few float32 units apart it
+    changes with the CPU's rounding (present.2.key on one machine, present.2.value on another)."""
     lines = []
     for line in shown.strip("\n").splitlines():
         if line.strip() == "...":
@@ -79,6 +80,7 @@ def shape(shown: str) -> re.Pattern:
             continue
         pattern = re.escape(line).replace(r"\.\.\.", ".*")
         pattern = re.sub(r"(?:\\ )+", " +", pattern)
+        pattern = re.sub(r"present\\\.\d+\\\.[a-z_]+", lambda _: r"present\.\d+\.[a-z_]+", pattern)
         pattern = re.sub(r"\d+(?:\\\.\d+)?(?:e\\-\d+)?", lambda _: NUMBER, pattern)
         lines.append(pattern + r"\n")
     return re.compile("".join(lines))
