@@ -48,11 +48,11 @@ def _tree_rss(root: int) -> int:
     return total * PAGE_BYTES
 
 
-def export(model: str, precision: str, quality_windows: int) -> dict:
+def export(model: str, precision: str, quality_segments: int) -> dict:
     """Export afresh in a process of its own: its wall time and its peak RSS, the exporter's and its torch half's
     processes summed (sampled every SAMPLE_S; the kernel's count for the largest one alone is the floor)."""
     out = ARTIFACTS / f"{model}-sizes-{precision}"
-    judged = ["--quality-windows", str(quality_windows)] if EXPORTS[precision] else []
+    judged = ["--quality-segments", str(quality_segments)] if EXPORTS[precision] else []
     command = [str(Path(sys.executable).parent / "kvg-export"), model, "--out", str(out), "--force",
                *EXPORTS[precision], *judged]  # fmt: skip
     print(f"exporting {out.name} ...", flush=True)
@@ -127,10 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=["fox-base"], help="presets (fox-pro-760m: opt-in, minutes)")
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--quality-windows", type=int, default=8, help="held-out windows an int4 export is judged on")
+    parser.add_argument("--quality-segments", type=int, default=8, help="held-out segments an int4 export is judged on")
     args = parser.parse_args(argv)
     threads = os.cpu_count()
-    exports = {model: {p: export(model, p, args.quality_windows) for p in EXPORTS} for model in args.models}
+    exports = {model: {p: export(model, p, args.quality_segments) for p in EXPORTS} for model in args.models}
     rows = [row for model in args.models for row in compare(model, exports[model], args.batches, args.runs, threads)]
     results = {"machine": machine(), "settings": vars(args), "exports": exports, "rows": rows}
     record("sizes.json", results, BEGIN, END, table(results))

@@ -9,11 +9,11 @@ warm-up of each; a figure is the median over `--runs` of decode tokens/s, and ea
 be the plain run's. Then kvg-serve on each preset's static artifact (pruning alike), a server without and one with
 `--speculative
 ngram` up at once, taking turns (each first in turn) at each level of `--clients` of each run: that many clients
-at once stream eight requests (two windows of `--serve-prompt-tokens` tokens of each module) of `--new-tokens`
+at once stream eight requests (two segments of `--serve-prompt-tokens` tokens of each module) of `--new-tokens`
 greedy tokens; a figure is the median of all tokens over the level's wall time. Last, beside onnxruntime-genai's
 own prompt lookup: fox-py and a LLaMA of its dims trained alike (bench/peer-models/llama-py: the same recipe, text
 and tokenizer), run by genai, each continuing the first `--peer-prompt-tokens` of each module (the LLaMA's RoPE
-was trained on windows of 512 positions, which prompt and new tokens stay within). A speed-up is the median of the
+was trained on segments of 512 positions, which prompt and new tokens stay within). A speed-up is the median of the
 ratios of runs taken in turn (paired: this machine's speed drifts between minutes).
 Writes results/speculative.json and the tables in bench/README.md.
 """
@@ -57,10 +57,10 @@ PEER_CHECKPOINT = HERE / "peer-models" / "llama-py"  # the LLaMA of fox-py's dim
 GENAI_LOOKUP = {"ngram_size": 4, "max_draft_tokens": 16}
 
 
-def held_out_prompt(generator: Generator, module: str, tokens: int, window: int = 0) -> list[int]:
-    """Window `window` of `tokens` tokens of a module's source (0: its first)."""
+def held_out_prompt(generator: Generator, module: str, tokens: int, segment: int = 0) -> list[int]:
+    """Segment `segment` of `tokens` tokens of a module's source (0: its first)."""
     source = Path(importlib.util.find_spec(module).origin).read_text()
-    return generator.model.encode(source)[0][window * tokens : (window + 1) * tokens]
+    return generator.model.encode(source)[0][segment * tokens : (segment + 1) * tokens]
 
 
 def serve_levels(preset: str, prompts: list[list[int]], args: argparse.Namespace) -> dict:
@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             figures = measure({"runtime": runtime_decode(generator, prompt, config)}, args.runs)["runtime"]
             rows.append({"preset": preset, "module": module, **figures})
             print(f"{preset} {module}: {rows[-1]['ratio']:.2f}x", file=sys.stderr)
-        served = [held_out_prompt(generator, m, args.serve_prompt_tokens, w) for m in MODULES for w in (0, 1)]
+        served = [held_out_prompt(generator, m, args.serve_prompt_tokens, s) for m in MODULES for s in (0, 1)]
         serve[preset] = serve_levels(preset, served, args)
         if preset == "fox-py" and args.peers:
             genai = beside_genai(generator, args)

@@ -1,7 +1,7 @@
 """A long stage's progress, as tqdm shows it: a bar on a terminal, counted lines in a log.
 
 A stage that ends within DELAY_S shows nothing, so a small export's output stays its stage lines. One that runs
-longer shows how much work it has (once it knows: windows to score, weights to quantize, steps to validate),
+longer shows how much work it has (once it knows: segments to score, weights to quantize, steps to validate),
 how much is done and about how long is left: on a terminal as a tqdm bar on stderr, else as a line through the
 stage's `log` then and every LINE_EVERY_S seconds, from a thread of its own, so that a unit of work that takes
 minutes still leaves a line a while.
@@ -59,7 +59,7 @@ class Progress:
             self._bar.set_postfix_str(work)
 
     def plan(self, more: int, unit: str) -> None:
-        """The stage has `more` units of work (windows, weights, steps) besides what it planned before."""
+        """The stage has `more` units of work (segments, weights, steps) besides what it planned before."""
         self.total, self.unit = (self.total or 0) + more, unit
         if self._bar is not None:
             self._bar.total, self._bar.unit = self.total, unit

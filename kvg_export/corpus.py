@@ -86,7 +86,7 @@ def token_stream(
 ) -> np.ndarray:
     """The documents' token ids (no special tokens added) joined into one stream, each followed by `eos_id`
     if there is one (int64). `longest_first` puts the documents with the most tokens first (ties in the given
-    order), so that the first long windows cut from the stream hold one document each, not several."""
+    order), so that the first long segments cut from the stream hold one document each, not several."""
     ids = [e.ids for e in tokenizer.encode_batch([d.text for d in documents], add_special_tokens=False)]
     if longest_first:
         ids.sort(key=len, reverse=True)  # a stable sort: ties keep their order
@@ -95,12 +95,12 @@ def token_stream(
     return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
 
 
-def windows(stream: np.ndarray, length: int, first: int | None = None) -> list[np.ndarray]:
+def segments(stream: np.ndarray, length: int, first: int | None = None) -> list[np.ndarray]:
     """Consecutive, non-overlapping slices of `length` tokens (the last may be shorter; none shorter than 2,
-    since a window predicts its tokens after the first). `first`: a token each window starts with, followed by
+    since a segment predicts its tokens after the first). `first`: a token each segment starts with, followed by
     `length` - 1 of the stream's (a tokenizer that puts its BOS before every text)."""
     if length < 2:
-        raise ValueError(f"a window needs at least 2 tokens, got {length}")
+        raise ValueError(f"a segment needs at least 2 tokens, got {length}")
     if first is None:
         return [stream[i : i + length] for i in range(0, len(stream), length) if len(stream) - i >= 2]
     head = np.asarray([first], dtype=stream.dtype)

@@ -1,4 +1,4 @@
-"""The stdlib corpus: a deterministic split by file, test folders left out, and its streams and windows."""
+"""The stdlib corpus: a deterministic split by file, test folders left out, and its streams and segments."""
 
 from types import SimpleNamespace
 
@@ -10,11 +10,11 @@ from kvg_export.corpus import (
     Document,
     corpus_files,
     read_split,
+    segments,
     split_digest,
     split_of,
     stdlib_root,
     token_stream,
-    windows,
 )
 
 
@@ -91,9 +91,9 @@ def test_longest_first_puts_the_documents_with_most_tokens_first_and_keeps_ties_
     assert stream.tolist() == [99, 100, 101, 2, 97, 98, 2, 102, 103, 2]
 
 
-def test_windows_tile_the_stream_and_keep_no_one_token_tail():
+def test_segments_tile_the_stream_and_keep_no_one_token_tail():
     stream = np.arange(11)
-    assert [w.tolist() for w in windows(stream, 4)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10]]
-    assert [len(w) for w in windows(np.arange(9), 4)] == [4, 4]
+    assert [s.tolist() for s in segments(stream, 4)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10]]
+    assert [len(s) for s in segments(np.arange(9), 4)] == [4, 4]
     with pytest.raises(ValueError):
-        windows(stream, 1)
+        segments(stream, 1)

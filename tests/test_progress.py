@@ -28,10 +28,10 @@ def test_a_stage_that_ends_at_once_logs_its_stage_line_alone():
 def test_a_long_stage_logs_how_much_work_it_has_then_how_much_is_done():
     lines = []
     with Progress(lines.append, "text", delay_s=0.2, every_s=0.05, terminal=False) as progress:
-        progress.plan(4, "windows scored")
-        assert re.fullmatch(r"text +\.\.\. \d+ s: 0/4 windows scored", wait_for(lines, "0/4"))
+        progress.plan(4, "segments scored")
+        assert re.fullmatch(r"text +\.\.\. \d+ s: 0/4 segments scored", wait_for(lines, "0/4"))
         progress.advance(3)
-        assert re.search(r"3/4 windows scored \(75%\), about \d+ s left$", wait_for(lines, "3/4"))
+        assert re.search(r"3/4 segments scored \(75%\), about \d+ s left$", wait_for(lines, "3/4"))
     count = len(lines)
     time.sleep(0.2)
     assert len(lines) == count  # nothing after the stage ends

@@ -16,13 +16,13 @@ from runtime.artifact import SessionOptions
 from runtime.cli import generate as generate_cli
 from runtime.decode.generator import GenerationConfig, Generator
 
-QUALITY_WINDOWS = "8"  # of the test split: about 4k predicted tokens, enough to judge int4 against 90%
+QUALITY_SEGMENTS = "8"  # of the test split: about 4k predicted tokens, enough to judge int4 against 90%
 
 
 @pytest.fixture(scope="module")
 def int4_artifact(tmp_path_factory):
     out = tmp_path_factory.mktemp("quantized") / "fox-py-int4"
-    assert cli.main(["fox-py", "--out", str(out), "--quantize", "int4", "--quality-windows", QUALITY_WINDOWS]) == 0
+    assert cli.main(["fox-py", "--out", str(out), "--quantize", "int4", "--quality-segments", QUALITY_SEGMENTS]) == 0
     return out
 
 
@@ -30,7 +30,7 @@ def test_the_export_is_judged_on_held_out_text_and_says_so(int4_artifact):
     report = json.loads((int4_artifact / "validation.json").read_text())
     assert report["parity"]["passed"] and report["cache_check"]["passed"]
     quality = report["quality"]
-    assert quality["passed"] and quality["text"]["split"] == "test" and quality["windows"] == int(QUALITY_WINDOWS)
+    assert quality["passed"] and quality["text"]["split"] == "test" and quality["segments"] == int(QUALITY_SEGMENTS)
     assert quality["thresholds"] == {"max_relative_perplexity_diff": 0.05, "min_top1_agreement": 0.9}
     assert abs(quality["relative_perplexity_diff"]) <= 0.05 and quality["top1_agreement"] >= 0.9
     assert quality["relative_perplexity_diff"] != 0 and quality["top1_agreement"] < 1  # the weights did change
@@ -97,7 +97,7 @@ def test_an_export_that_misses_its_thresholds_exits_non_zero_and_loses_nothing(t
     (good / "model.onnx").write_text("the previous good artifact")
     # No quantized model scores exactly as eager fp32 does: a zero perplexity difference cannot be met.
     args = ["fox-py", "--out", str(good), "--force", "--quantize", "int4", "--block-size", "256",
-            "--keep-float", "none", "--quality-windows", "2", "--max-perplexity-diff", "0"]  # fmt: skip
+            "--keep-float", "none", "--quality-segments", "2", "--max-perplexity-diff", "0"]  # fmt: skip
     assert cli.main(args) != 0
     err = capsys.readouterr().err
     assert "the int4 artifact misses its quality thresholds: perplexity" in err and "over 0.000%" in err

@@ -254,13 +254,13 @@ def test_transformers_on_the_artifact_with_its_own_tokenizer_is_the_official_pip
     assert tokenizer.decode(got[0], skip_special_tokens=True) == official_decode(gpt2, got[0].tolist())
 
 
-def test_kvg_eval_scores_official_ids_each_window_after_the_bos(released, gpt2, tmp_path):
+def test_kvg_eval_scores_official_ids_each_segment_after_the_bos(released, gpt2, tmp_path):
     text = tmp_path / "text.txt"
     text.write_text(PROMPTS[0] + PROMPTS[2] * 3)
-    run = run_eager(load_model(released), released, text_paths=[text], context=16, max_windows=3)
+    run = run_eager(load_model(released), released, text_paths=[text], context=16, max_segments=3)
     end = gpt2.convert_tokens_to_ids(END)
     stream = [*official_ids(gpt2, text.read_text())[1:], end]
-    assert [w.tolist() for w in run.windows] == [[end, *stream[i : i + 15]] for i in range(0, 45, 15)]
+    assert [s.tolist() for s in run.segments] == [[end, *stream[i : i + 15]] for i in range(0, 45, 15)]
 
 
 def test_lm_eval_models_tokenize_as_the_official_tokenizer(artifact, released, gpt2, tmp_path):

@@ -1,11 +1,11 @@
-"""Teacher-forced scoring: the next-token arithmetic against hand-computed values, and window batching."""
+"""Teacher-forced scoring: the next-token arithmetic against hand-computed values, and segment batching."""
 
 import math
 
 import numpy as np
 import pytest
 
-from runtime.decode.scoring import next_token_scores, score_windows
+from runtime.decode.scoring import next_token_scores, score_segments
 
 
 def test_next_token_scores_on_a_tiny_text_match_hand_computed_values():
@@ -30,19 +30,19 @@ def test_large_logits_stay_finite():
     assert nll.tolist() == pytest.approx([1000.0])
 
 
-def naive_scores(logits_of, window):
+def naive_scores(logits_of, segment):
     """Per position, -log of the softmax probability of the next token, in plain Python."""
-    logits = logits_of(window[None])[0]
+    logits = logits_of(segment[None])[0]
     out = []
-    for t in range(len(window) - 1):
+    for t in range(len(segment) - 1):
         row = [float(x) for x in logits[t]]
         top = max(row)
         total = sum(math.exp(x - top) for x in row)
-        out.append(-(row[window[t + 1]] - top - math.log(total)))
+        out.append(-(row[segment[t + 1]] - top - math.log(total)))
     return out
 
 
-def test_windows_are_scored_in_order_with_equal_lengths_batched_within_the_limit():
+def test_segments_are_scored_in_order_with_equal_lengths_batched_within_the_limit():
     rng = np.random.default_rng(0)
     table = rng.normal(size=(7, 7)).astype(np.float32)
     batches = []
@@ -51,18 +51,18 @@ def test_windows_are_scored_in_order_with_equal_lengths_batched_within_the_limit
         batches.append(ids.shape)
         return table[ids]  # each token's logits depend on it alone: a bigram model
 
-    windows = [rng.integers(0, 7, n) for n in (5, 5, 5, 3, 5, 2)]
-    scores = score_windows(logits_of, windows, max_batch=2, vocab_size=7)
+    segments = [rng.integers(0, 7, n) for n in (5, 5, 5, 3, 5, 2)]
+    scores = score_segments(logits_of, segments, max_batch=2, vocab_size=7)
     assert batches == [(2, 5), (1, 5), (1, 3), (1, 5), (1, 2)]
-    want = [x for w in windows for x in naive_scores(lambda ids: table[ids], w)]
+    want = [x for s in segments for x in naive_scores(lambda ids: table[ids], s)]
     assert scores.nll.tolist() == pytest.approx(want, rel=1e-9)
-    assert scores.targets.tolist() == [int(t) for w in windows for t in w[1:]]
-    assert scores.top1.tolist() == [int(table[t].argmax()) for w in windows for t in w[:-1]]
+    assert scores.targets.tolist() == [int(t) for s in segments for t in s[1:]]
+    assert scores.top1.tolist() == [int(table[t].argmax()) for s in segments for t in s[:-1]]
 
 
 @pytest.mark.parametrize("block", [1, 2, 3, 5])
 def test_logits_given_in_blocks_of_positions_score_as_the_naive_formula(block):
-    """A window's logits may come as consecutive blocks of positions (eager's LM head goes block by block); the
+    """A segment's logits may come as consecutive blocks of positions (eager's LM head goes block by block); the
     last position of a block is scored against the next block's first token."""
     rng = np.random.default_rng(1)
     table = rng.normal(size=(7, 7)).astype(np.float32)
@@ -70,13 +70,13 @@ def test_logits_given_in_blocks_of_positions_score_as_the_naive_formula(block):
     def blocks_of(ids):
         return (table[ids[:, begin : begin + block]] for begin in range(0, ids.shape[1], block))
 
-    windows = [rng.integers(0, 7, n) for n in (5, 5, 4, 2)]
-    scores = score_windows(blocks_of, windows, max_batch=2, vocab_size=7)
-    want = [x for w in windows for x in naive_scores(lambda ids: table[ids], w)]
+    segments = [rng.integers(0, 7, n) for n in (5, 5, 4, 2)]
+    scores = score_segments(blocks_of, segments, max_batch=2, vocab_size=7)
+    want = [x for s in segments for x in naive_scores(lambda ids: table[ids], s)]
     assert scores.nll.tolist() == pytest.approx(want, rel=1e-9)
-    assert scores.top1.tolist() == [int(table[t].argmax()) for w in windows for t in w[:-1]]
+    assert scores.top1.tolist() == [int(table[t].argmax()) for s in segments for t in s[:-1]]
 
 
-def test_no_windows_is_an_error():
-    with pytest.raises(ValueError, match="no windows"):
-        score_windows(lambda ids: ids, [], max_batch=4, vocab_size=3)
+def test_no_segments_is_an_error():
+    with pytest.raises(ValueError, match="no segments"):
+        score_segments(lambda ids: ids, [], max_batch=4, vocab_size=3)

@@ -73,7 +73,7 @@ def test_a_piece_never_ends_in_half_a_character_before_the_last(kind, data):
 
 
 def test_a_long_answer_costs_each_token_the_same():
-    """Each push decodes a window of a few tokens, not the whole answer (counted, not timed)."""
+    """Each push decodes a few tokens (from one released token back), not the whole answer (counted, not timed)."""
     decoded = []
 
     class Counting:

@@ -16,10 +16,10 @@ from kvg_export.training.cli import main as train_main
 from kvg_export.training.data import TrainingData
 from kvg_export.training.loop import mean_loss, publish_to_preset, train
 from kvg_export.training.recipe import TrainingRecipe
-from runtime.decode.scoring import score_windows
+from runtime.decode.scoring import score_segments
 
 RECIPE = dict(seed=3, seq_len=16, batch_size=2, steps=4, learning_rate=3e-3, warmup_steps=1,
-              eval_every=2, eval_windows=2, checkpoint_every=2)  # fmt: skip
+              eval_every=2, eval_segments=2, checkpoint_every=2)  # fmt: skip
 CONFIG = dict(model_type="forgetting_transformer-project_fox", vocab_size=300, hidden_size=32, num_heads=2,
               num_hidden_layers=1, intermediate_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
 # the LLaMA peer bench/speculative.py runs through onnxruntime-genai trains by the same loop
@@ -104,32 +104,32 @@ def test_a_finished_run_reports_its_losses_against_the_unigram_baseline(tmp_path
     model = load_model(folder)
     data = TrainingData.prepare(CONFIG["vocab_size"], corpus)
     for split in ("validation", "test"):
-        windows = data.evaluation_windows(split, RECIPE["seq_len"])
+        segments = data.evaluation_segments(split, RECIPE["seq_len"])
 
         def logits_of(ids):
             with torch.no_grad():
                 return model(input_ids=torch.from_numpy(ids)).logits.numpy()
 
-        # The loop's torch cross-entropy against the runtime's numpy scoring of the same windows.
-        scores = score_windows(logits_of, windows, max_batch=4, vocab_size=CONFIG["vocab_size"])
+        # The loop's torch cross-entropy against the runtime's numpy scoring of the same segments.
+        scores = score_segments(logits_of, segments, max_batch=4, vocab_size=CONFIG["vocab_size"])
         assert report[split]["loss"] == pytest.approx(scores.mean_nll, rel=1e-5)
         assert report[split]["perplexity"] == pytest.approx(scores.perplexity, rel=1e-5)
         counts = np.bincount(data.streams["train"], minlength=CONFIG["vocab_size"]) + 1
-        unigram = -np.mean([math.log(counts[t] / counts.sum()) for w in windows for t in w[1:]])
+        unigram = -np.mean([math.log(counts[t] / counts.sum()) for s in segments for t in s[1:]])
         assert report[split]["unigram_loss"] == pytest.approx(unigram, rel=1e-9)
 
 
-def test_mean_loss_is_the_cross_entropy_of_each_windows_tokens_after_its_first():
+def test_mean_loss_is_the_cross_entropy_of_each_segments_tokens_after_its_first():
     torch.manual_seed(0)
     from kvg_export.fox import FoxConfig, FoxForCausalLM
 
     model = FoxForCausalLM(FoxConfig(**{k: v for k, v in CONFIG.items() if k != "model_type"}))
-    windows = [np.arange(3, 11), np.arange(20, 28), np.arange(40, 45)]
+    segments = [np.arange(3, 11), np.arange(20, 28), np.arange(40, 45)]
     losses = []
-    for w in windows:
-        logits = model(input_ids=torch.from_numpy(w)[None]).logits[0]
-        losses += [-torch.log_softmax(logits[t], -1)[w[t + 1]].item() for t in range(len(w) - 1)]
-    assert mean_loss(model, windows) == pytest.approx(sum(losses) / len(losses), rel=1e-5)
+    for s in segments:
+        logits = model(input_ids=torch.from_numpy(s)[None]).logits[0]
+        losses += [-torch.log_softmax(logits[t], -1)[s[t + 1]].item() for t in range(len(s) - 1)]
+    assert mean_loss(model, segments) == pytest.approx(sum(losses) / len(losses), rel=1e-5)
 
 
 def test_a_changed_recipe_is_refused_on_resume(tmp_path, corpus):

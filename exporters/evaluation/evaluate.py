@@ -3,14 +3,14 @@ PyTorch and by an exported artifact through the torch-free runtime, side by side
 
 The text (by default the stdlib corpus's test split, as the trained presets were trained on its training
 split) is tokenized once with the model's tokenizer: its files, joined with the end-of-text token, cut into
-consecutive windows of `context` tokens (shorter where a static artifact's `max_cache_len` is). For windows
+consecutive segments of `context` tokens (shorter where a static artifact's `max_cache_len` is). For segments
 of up to DEFAULT_CONTEXT tokens (the trained presets' training length) the files come in path order, so
-that the first N windows span many files (the export's quality check scores 64). For longer windows they
-come longest first (ties in path order), so that the first windows hold one long file each and a late
+that the first N segments span many files (the export's quality check scores 64). For longer segments they
+come longest first (ties in path order), so that the first segments hold one long file each and a late
 position has that many tokens of its own file before it, not a run of unrelated files: under Python 3.11
-the test split's 181k tokens give 22 windows of 8,192, the first three in its longest file (25k tokens).
-Both systems score the same windows with the same arithmetic (runtime.decode.scoring), so their figures compare
-position by position; bands of window positions and log-spaced position bins (the curve `--plot` draws)
+the test split's 181k tokens give 22 segments of 8,192, the first three in its longest file (25k tokens).
+Both systems score the same segments with the same arithmetic (runtime.decode.scoring), so their figures compare
+position by position; bands of segment positions and log-spaced position bins (the curve `--plot` draws)
 show how quality holds over the context.
 
 Eager's half (EagerRun) can be made separately from the artifact's: an export scores eager in its torch half, and
@@ -32,15 +32,15 @@ import numpy as np
 from exporters.checkpoint_tokenizer import CheckpointTokenizer, TokenizerError, read_tokenizer
 from exporters.checks.manifest import source_digest
 from exporters.progress import Progress, untracked
-from kvg_export.corpus import Document, describe, read_split, split_digest, token_stream, windows
+from kvg_export.corpus import Document, describe, read_split, segments, split_digest, token_stream
 from kvg_export.folders import write_whole
 from kvg_export.presets import load_model, resolve_checkpoint
 from runtime.artifact import ArtifactError, SessionOptions
 from runtime.decode.generator import Generator
-from runtime.decode.scoring import POSITIONS_PER_BLOCK, Scores, score_windows
+from runtime.decode.scoring import POSITIONS_PER_BLOCK, Scores, score_segments
 
 DEFAULT_CONTEXT = 512
-EAGER_BATCH_TOKENS = 16 * DEFAULT_CONTEXT  # tokens per eager forward: 16 windows of 512, 1 of 8,192
+EAGER_BATCH_TOKENS = 16 * DEFAULT_CONTEXT  # tokens per eager forward: 16 segments of 512, 1 of 8,192
 BAND_GROWTH = 4  # default bands end at 512, 2048, 8192, ... positions
 CURVE_BINS = 24
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
@@ -76,7 +76,7 @@ def relative_diff(artifact: float | None, eager: float) -> float | None:
 
 @dataclass
 class Band:
-    """The figures over the tokens at window positions first..last (inclusive; a token at position p is
+    """The figures over the tokens at segment positions first..last (inclusive; a token at position p is
     predicted from the p before it): how quality holds over the context, where an error in the forget gate
     would grow with its cumulative sum."""
 
@@ -118,22 +118,22 @@ class Band:
         return {**asdict(self), "relative_perplexity_diff": self.relative_perplexity_diff}
 
 
-def default_bands(window_tokens: int) -> list[tuple[int, int]]:
-    """The bands a window longer than DEFAULT_CONTEXT is judged in when none are asked for: 0-511, 512-2047,
-    2048-8191, 8192-32767, ..., the last cut at the window's end; none for a shorter window, whose overall
+def default_bands(segment_tokens: int) -> list[tuple[int, int]]:
+    """The bands a segment longer than DEFAULT_CONTEXT is judged in when none are asked for: 0-511, 512-2047,
+    2048-8191, 8192-32767, ..., the last cut at the segment's end; none for a shorter segment, whose overall
     figures are its first band's."""
-    if window_tokens <= DEFAULT_CONTEXT:
+    if segment_tokens <= DEFAULT_CONTEXT:
         return []
     ends = [DEFAULT_CONTEXT]
-    while ends[-1] * BAND_GROWTH < window_tokens:
+    while ends[-1] * BAND_GROWTH < segment_tokens:
         ends.append(ends[-1] * BAND_GROWTH)
-    return [(first, end - 1) for first, end in pairwise([0, *ends, window_tokens])]
+    return [(first, end - 1) for first, end in pairwise([0, *ends, segment_tokens])]
 
 
-def position_bins(window_tokens: int, count: int = CURVE_BINS) -> list[tuple[int, int]]:
-    """Up to `count` log-spaced bins (first, last position, inclusive) tiling positions 1 to window_tokens - 1:
+def position_bins(segment_tokens: int, count: int = CURVE_BINS) -> list[tuple[int, int]]:
+    """Up to `count` log-spaced bins (first, last position, inclusive) tiling positions 1 to segment_tokens - 1:
     one position's perplexity is too noisy to read, and the early positions change fastest."""
-    edges = np.unique(np.geomspace(1, window_tokens, count + 1).round().astype(int))
+    edges = np.unique(np.geomspace(1, segment_tokens, count + 1).round().astype(int))
     return [(int(first), int(end) - 1) for first, end in pairwise(edges)]
 
 
@@ -141,8 +141,8 @@ def position_bins(window_tokens: int, count: int = CURVE_BINS) -> list[tuple[int
 class Evaluation:
     model: str
     text: dict  # what was scored: source, files, digest, tokens
-    window_tokens: int
-    windows: int
+    segment_tokens: int
+    segments: int
     eager: SystemResult
     overall: Band  # every predicted position, judged by the thresholds on perplexity and top-1 agreement
     artifact: SystemResult | None = None
@@ -290,11 +290,11 @@ def _open_artifact(folder: Path, checkpoint: Path, vocab_size: int, options: Ses
 
 
 def eager_logit_blocks(model, ids: np.ndarray) -> Iterator[np.ndarray]:
-    """Float32 logits of whole windows `[batch, seq]`, fed from an empty cache, as `[batch, block, vocab]` blocks
-    of POSITIONS_PER_BLOCK positions. A forward with a cache runs a long window through the layers chunk by
+    """Float32 logits of whole segments `[batch, seq]`, fed from an empty cache, as `[batch, block, vocab]` blocks
+    of POSITIONS_PER_BLOCK positions. A forward with a cache runs a long segment through the layers chunk by
     chunk, as the runtime prefills, where one without builds each layer's [batch, heads, seq, seq] scores at
-    once (4 GB in float32 for one window of 8,192 tokens at 16 heads). The LM head goes block by block: a
-    window's whole logits (512 x 32,000 float32, 65 MB) were the peak of a quantized export's torch half."""
+    once (4 GB in float32 for one segment of 8,192 tokens at 16 heads). The LM head goes block by block: a
+    segment's whole logits (512 x 32,000 float32, 65 MB) were the peak of a quantized export's torch half."""
     import torch
 
     from kvg_export.cache import DynamicCache
@@ -310,11 +310,11 @@ def eager_logit_blocks(model, ids: np.ndarray) -> Iterator[np.ndarray]:
 
 @dataclass
 class EagerRun:
-    """The text's windows, the bands they are judged in, and eager fp32's scores on them."""
+    """The text's segments, the bands they are judged in, and eager fp32's scores on them."""
 
     text: dict  # what was scored: source, files, digest, tokens, order
     context: int
-    windows: list[np.ndarray]
+    segments: list[np.ndarray]
     bands: list[tuple[int, int]]
     scores: Scores
     seconds: float
@@ -327,16 +327,16 @@ def run_eager(
     split: str = "test",
     text_paths: list[Path] | None = None,
     context: int = DEFAULT_CONTEXT,
-    max_windows: int | None = None,
+    max_segments: int | None = None,
     bands: list[tuple[int, int]] | None = None,
     for_artifact: bool = False,
     progress: Progress | None = None,
     passes: int = 1,
 ) -> EagerRun:
-    """Tokenize the text into windows of `context` tokens and score them with `eager_model` (a FoxForCausalLM);
-    `bands` (None: default_bands of the longest window) must fit in the windows, which `for_artifact` are cut
+    """Tokenize the text into segments of `context` tokens and score them with `eager_model` (a FoxForCausalLM);
+    `bands` (None: default_bands of the longest segment) must fit in the segments, which `for_artifact` are cut
     to an artifact's length (a band too long for them is then fixed by exporting a longer one). `progress` counts
-    the windows scored, planned for `passes` over them (eager's, and an artifact's after it)."""
+    the segments scored, planned for `passes` over them (eager's, and an artifact's after it)."""
     config = eager_model.config
     try:
         documents, text = _documents(split, text_paths)
@@ -347,13 +347,13 @@ def run_eager(
     eos = config.eos_token_id[0] if isinstance(config.eos_token_id, list) else config.eos_token_id
     eos = found.special_ids.get("eos") if eos is None else eos
     longest_first = context > DEFAULT_CONTEXT
-    # Text as the model was trained on it (escaped, for the released FoX checkpoints), each window after its BOS
+    # Text as the model was trained on it (escaped, for the released FoX checkpoints), each segment after its BOS
     escaped = [Document(document.path, tokenizer.escape(document.text)) for document in documents]
     stream = token_stream(tokenizer.bpe, escaped, eos, longest_first)
-    chosen = windows(stream, context, tokenizer.rules.bos)[:max_windows]
+    chosen = segments(stream, context, tokenizer.rules.bos)[:max_segments]
     if not chosen:
         where = f"the {split} split" if text_paths is None else "the text"
-        raise EvalError(f"no text to evaluate: {where} gives {len(stream)} tokens, fewer than the 2 a window needs")
+        raise EvalError(f"no text to evaluate: {where} gives {len(stream)} tokens, fewer than the 2 a segment needs")
     text["tokens"] = len(stream)
     text["order"] = "longest first" if longest_first else "path order"
     longest = max(map(len, chosen))
@@ -362,14 +362,14 @@ def run_eager(
         if last >= longest:
             longer = "--context" + (", or export a longer static artifact" if for_artifact else "")
             raise EvalError(
-                f"positions {first}-{last} need windows of {last + 1} tokens; the longest here has {longest} "
+                f"positions {first}-{last} need segments of {last + 1} tokens; the longest here has {longest} "
                 f"(raise {longer})"
             )
     began = time.perf_counter()
     eager_batch = max(1, EAGER_BATCH_TOKENS // context)
     progress = progress or untracked()
-    progress.plan(passes * len(chosen), "windows scored")
-    scores = score_windows(partial(eager_logit_blocks, eager_model), chosen, eager_batch, config.vocab_size,
+    progress.plan(passes * len(chosen), "segments scored")
+    scores = score_segments(partial(eager_logit_blocks, eager_model), chosen, eager_batch, config.vocab_size,
                            progress.advance)  # fmt: skip
     return EagerRun(text, context, chosen, bands, scores, time.perf_counter() - began)
 
@@ -381,7 +381,7 @@ def evaluate(
     split: str = "test",
     text_paths: list[Path] | None = None,
     context: int = DEFAULT_CONTEXT,
-    max_windows: int | None = None,
+    max_segments: int | None = None,
     session_options: SessionOptions | None = None,
     thresholds: Thresholds | None = None,
     bands: list[tuple[int, int]] | None = None,
@@ -389,10 +389,10 @@ def evaluate(
     progress: Progress | None = None,
 ) -> Evaluation:
     """Score the text with eager PyTorch (float32) and, given an artifact, with the runtime; `bands` (first and
-    last window position, inclusive; None: default_bands of the longest window) also get figures of their own,
-    held to the same thresholds. `eager`: eager's run, made already (on the windows this artifact takes).
-    `progress` counts the windows each system scores."""
-    _check_windows(context, bands)
+    last segment position, inclusive; None: default_bands of the longest segment) also get figures of their own,
+    held to the same thresholds. `eager`: eager's run, made already (on the segments this artifact takes).
+    `progress` counts the segments each system scores."""
+    _check_segments(context, bands)
     try:
         checkpoint = resolve_checkpoint(model)
     except (ValueError, FileNotFoundError) as error:
@@ -407,19 +407,19 @@ def evaluate(
     progress = progress or untracked()
     if eager is None:
         eager = run_eager(load_model(checkpoint), checkpoint, split=split, text_paths=text_paths, context=context,
-                          max_windows=max_windows, bands=bands, for_artifact=artifact is not None,
+                          max_segments=max_segments, bands=bands, for_artifact=artifact is not None,
                           progress=progress, passes=1 + (artifact is not None))  # fmt: skip
     elif eager.context != context:
-        raise ValueError(f"eager scored windows of {eager.context} tokens; this artifact takes {context}")
+        raise ValueError(f"eager scored segments of {eager.context} tokens; this artifact takes {context}")
     elif generator is not None:
-        progress.plan(len(eager.windows), "windows scored")
+        progress.plan(len(eager.segments), "segments scored")
     artifact_result = artifact_scores = None
     if generator is not None:
         artifact_result, artifact_scores = _score_artifact(generator, str(artifact), eager, vocab_size, progress)
     scored = (eager.scores, artifact_scores)
-    longest = max(map(len, eager.windows))
+    longest = max(map(len, eager.segments))
     return Evaluation(
-        model=str(model), text=eager.text, window_tokens=context, windows=len(eager.windows),
+        model=str(model), text=eager.text, segment_tokens=context, segments=len(eager.segments),
         eager=SystemResult.of("eager PyTorch", eager.scores, eager.seconds), overall=Band.whole(*scored),
         artifact=artifact_result, thresholds=thresholds or Thresholds(),
         bands=[Band.of(first, last, *scored) for first, last in eager.bands],
@@ -427,8 +427,8 @@ def evaluate(
     )  # fmt: skip
 
 
-def _check_windows(context: int, bands: list[tuple[int, int]] | None) -> None:
-    """Refuse windows or bands that cannot be scored before the model and the text load."""
+def _check_segments(context: int, bands: list[tuple[int, int]] | None) -> None:
+    """Refuse segments or bands that cannot be scored before the model and the text load."""
     if context < 2:
         raise EvalError(f"the context must be at least 2 tokens, got {context}")
     for first, last in bands or ():
@@ -439,11 +439,11 @@ def _check_windows(context: int, bands: list[tuple[int, int]] | None) -> None:
 def _score_artifact(
     generator: Generator, name: str, eager: EagerRun, vocab_size: int, progress: Progress
 ) -> tuple[SystemResult, Scores]:
-    """The artifact's half: the runtime scores the windows eager scored, as many at once as the artifact's batch
+    """The artifact's half: the runtime scores the segments eager scored, as many at once as the artifact's batch
     takes, with the same arithmetic, so that the two compare position by position."""
     began = time.perf_counter()
     max_batch = generator.model.artifact.manifest["cache"]["max_batch"]
-    scores = score_windows(generator.teacher_forced_logits, eager.windows, max_batch, vocab_size, progress.advance)
+    scores = score_segments(generator.teacher_forced_logits, eager.segments, max_batch, vocab_size, progress.advance)
     return SystemResult.of(name, scores, time.perf_counter() - began), scores
 
 

@@ -57,7 +57,7 @@ def server_model(url: str, tokenizer: Path, max_length: int, batch_size: int, ad
 
 def eager_model(model: str, tokenizer: Path, max_length: int, batch_size: int, add_bos_token: bool = False):
     """The harness's `hf` model of the checkpoint `model` names (kvg_export/presets.py), on the CPU. Its
-    max_length is two below the server model's, so that both cut text into the same windows (the `hf` model
+    max_length is two below the server model's, so that both cut text into the same segments (the `hf` model
     scores max_length + 1 tokens at a time, the API model max_length - 1). Prompts to generate from are
     then cut one token shorter than the server's, which matters only for a prompt that long."""
     from lm_eval.models.huggingface import HFLM

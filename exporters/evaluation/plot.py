@@ -1,4 +1,4 @@
-"""The PNG of one evaluation's perplexity against window position: eager and artifact over log-spaced
+"""The PNG of one evaluation's perplexity against segment position: eager and artifact over log-spaced
 position bins (Evaluation.curve), on a log position axis, to see whether quality holds deep into a long
 context and where an artifact drifts from eager. matplotlib loads only when a plot is asked for, so that
 importing the evaluation stays cheap."""
@@ -30,9 +30,9 @@ def plot_perplexity_by_position(evaluation: Evaluation, path: Path) -> None:
     axes.set_xscale("log")
     axes.set_yscale("log")  # the first positions' perplexity is tens of times the rest's
     axes.set(
-        xlabel="position in window (tokens before the predicted one)",
+        xlabel="position in segment (tokens before the predicted one)",
         ylabel="perplexity",
-        title=f"{evaluation.model}: {evaluation.windows} windows of {evaluation.window_tokens} tokens",
+        title=f"{evaluation.model}: {evaluation.segments} segments of {evaluation.segment_tokens} tokens",
     )
     axes.grid(alpha=0.3, which="both")
     axes.legend()

@@ -12,7 +12,7 @@ from exporters.pipeline.export import export_artifact
 from exporters.pipeline.options import (
     ATTENTION_KINDS,
     DEFAULT_MAX_BATCH,
-    DEFAULT_QUALITY_WINDOWS,
+    DEFAULT_QUALITY_SEGMENTS,
     DTYPES,
     ONNX_ATTENTION_OPSET,
     ExportError,
@@ -50,8 +50,8 @@ def _add_quantization(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--keep-float", type=_roles,
                        help=f"roles left in float, comma-separated, or none: {roles} (default {kept})")  # fmt: skip
     group.add_argument("--symmetric", action="store_true", default=None, help="zero points fixed at the middle")
-    group.add_argument("--quality-windows", type=int, default=DEFAULT_QUALITY_WINDOWS,
-                       help="512-token windows of held-out text to judge on (0: all; default %(default)s)")  # fmt: skip
+    group.add_argument("--quality-segments", type=int, default=DEFAULT_QUALITY_SEGMENTS,
+                       help="held-out 512-token segments to judge on (0: all; default %(default)s)")  # fmt: skip
     group.add_argument("--quality-text", type=Path, action="append",
                        help="judge on these files or folders, not the stdlib test split (repeatable)")  # fmt: skip
     limits = ", ".join(f"int{b}: {t.max_relative_perplexity_diff:.1%} and {t.min_top1_agreement:.0%}"
@@ -80,7 +80,7 @@ def _quality(args: argparse.Namespace) -> QualityOptions:
             default.max_relative_perplexity_diff if args.max_perplexity_diff is None else args.max_perplexity_diff,
             default.min_top1_agreement if args.min_agreement is None else args.min_agreement,
         )
-    return QualityOptions(thresholds, args.quality_windows or None, args.quality_text)
+    return QualityOptions(thresholds, args.quality_segments or None, args.quality_text)
 
 
 def parse_args(argv: list[str] | None) -> ExportOptions:

@@ -276,9 +276,9 @@ def _judge_quantized(
     try:
         evaluation = stage(
             log, "quality", lambda progress: evaluate(options.model, staging, text_paths=quality.text_paths,
-                                                      max_windows=quality.windows, thresholds=thresholds, eager=eager,
+                                                      max_segments=quality.segments, thresholds=thresholds, eager=eager,
                                                       progress=progress),
-            lambda e: f"the artifact vs eager fp32 on {e.windows} windows of held-out text "
+            lambda e: f"the artifact vs eager fp32 on {e.segments} segments of held-out text "
             f"({e.predicted_tokens:,} tokens predicted)",
         )  # fmt: skip
     except EvalError as error:

@@ -55,7 +55,7 @@ def lower(
     eager = None
     if options.quantization:  # scored first, while the lowering's leftovers do not yet share the memory
         eager = stage(log, "text", lambda progress: _score_text(options, model, checkpoint, progress),
-                      lambda run: f"eager fp32 on {len(run.windows)} windows of held-out text")  # fmt: skip
+                      lambda run: f"eager fp32 on {len(run.segments)} segments of held-out text")  # fmt: skip
     program, example = stage(
         log, "trace",
         lambda _: export_program(model, layout, options.max_cache_len, options.max_batch, form, offsets),
@@ -92,14 +92,14 @@ def lower(
 
 
 def _score_text(options: ExportOptions, model, checkpoint: Path, progress: Progress) -> EagerRun:
-    """Eager fp32's half of the quantized artifact's judgement, on the windows evaluate() cuts for that artifact."""
+    """Eager fp32's half of the quantized artifact's judgement, on the segments evaluate() cuts for that artifact."""
     if options.dtype != "fp32":
         model = load_model(checkpoint)
     context = DEFAULT_CONTEXT if options.cache == "dynamic" else min(DEFAULT_CONTEXT, options.max_cache_len)
     quality = options.quality
     try:
         return run_eager(model, checkpoint, text_paths=quality.text_paths, context=context,
-                         max_windows=quality.windows, for_artifact=True, progress=progress)  # fmt: skip
+                         max_segments=quality.segments, for_artifact=True, progress=progress)  # fmt: skip
     except EvalError as error:
         raise ExportError(f"a quantized export is judged on held-out text: {error}") from None
 

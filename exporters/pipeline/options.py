@@ -22,7 +22,7 @@ OPSETS = range(18, 25)
 ONNX_ATTENTION_OPSET = 24  # the first with TensorScatter and Attention's nonpad_kv_seqlen
 DEFAULT_MAX_CACHE_LEN = 1024
 DEFAULT_MAX_BATCH = 16
-DEFAULT_QUALITY_WINDOWS = 64  # windows of 512 tokens: about 33k predicted tokens
+DEFAULT_QUALITY_SEGMENTS = 64  # segments of 512 tokens: about 33k predicted tokens
 
 
 class ExportError(Exception):
@@ -34,7 +34,7 @@ class QualityOptions:
     """How a quantized export is judged: held-out text scored by eager fp32 and by the artifact."""
 
     thresholds: Thresholds | None = None  # None: QUALITY_THRESHOLDS for the bit width
-    windows: int | None = DEFAULT_QUALITY_WINDOWS  # None: the whole text
+    segments: int | None = DEFAULT_QUALITY_SEGMENTS  # None: the whole text
     text_paths: list[Path] | None = None  # None: the stdlib corpus's test split
 
 

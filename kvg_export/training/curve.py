@@ -19,7 +19,7 @@ def plot_losses(
     title: str,
     train: list[tuple[int, float]],
     validation: list[tuple[int, float]],
-    validation_windows: int,
+    validation_segments: int,
     unigram: float,
 ) -> None:
     steps, losses = np.array(train, dtype=float).T if train else (np.zeros(0), np.zeros(0))
@@ -36,7 +36,7 @@ def plot_losses(
             "o-",
             color="tab:orange",
             markersize=3,
-            label=f"validation (first {validation_windows} windows)",
+            label=f"validation (first {validation_segments} segments)",
         )
     axes.axhline(unigram, color="gray", linestyle="--", linewidth=1, label=f"unigram baseline ({unigram:.2f})")
     axes.set(xlabel="step", ylabel="loss (nats/token)", title=title)

@@ -1,5 +1,5 @@
 """What a training run reads: the corpus's splits as token streams under a BPE tokenizer trained on the
-training split, random training windows by step, the fixed evaluation windows, and the unigram baseline."""
+training split, random training segments by step, the fixed evaluation segments, and the unigram baseline."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from kvg_export.corpus import SPLITS, describe, read_split, token_stream, windows
+from kvg_export.corpus import SPLITS, describe, read_split, segments, token_stream
 from kvg_export.preset_tokenizer import SPECIAL_TOKENS, build_tokenizer
 
 EOS_ID = SPECIAL_TOKENS.index("<|eos|>")  # ends every document in a stream
@@ -39,21 +39,21 @@ class TrainingData:
         return hashlib.sha256(self.tokenizer.to_str().encode()).hexdigest()
 
     def batch(self, seed: int, step: int, batch_size: int, seq_len: int) -> torch.Tensor:
-        """Step `step`'s windows `[batch_size, seq_len]` at random offsets of the training stream; the same
+        """Step `step`'s segments `[batch_size, seq_len]` at random offsets of the training stream; the same
         for the same (seed, step), so a resumed run sees what an uninterrupted one would."""
         stream = self.streams["train"]
         if len(stream) <= seq_len:
-            raise ValueError(f"the training split has {len(stream)} tokens, fewer than one window of {seq_len}")
+            raise ValueError(f"the training split has {len(stream)} tokens, fewer than one segment of {seq_len}")
         offsets = np.random.default_rng([seed, step]).integers(0, len(stream) - seq_len + 1, size=batch_size)
         return torch.from_numpy(np.stack([stream[o : o + seq_len] for o in offsets]))
 
-    def evaluation_windows(self, split: str, seq_len: int, limit: int | None = None) -> list[np.ndarray]:
-        return windows(self.streams[split], seq_len)[:limit]
+    def evaluation_segments(self, split: str, seq_len: int, limit: int | None = None) -> list[np.ndarray]:
+        return segments(self.streams[split], seq_len)[:limit]
 
     def unigram_loss(self, split: str, seq_len: int) -> float:
-        """Mean -log p(token) in nats of the tokens a model predicts in the split's evaluation windows (all but
-        each window's first), with p the training split's add-one smoothed token frequencies."""
+        """Mean -log p(token) in nats of the tokens a model predicts in the split's evaluation segments (all but
+        each segment's first), with p the training split's add-one smoothed token frequencies."""
         counts = np.bincount(self.streams["train"], minlength=self.tokenizer.get_vocab_size()) + 1.0
         log_p = np.log(counts / counts.sum())
-        targets = np.concatenate([w[1:] for w in self.evaluation_windows(split, seq_len)])
+        targets = np.concatenate([s[1:] for s in self.evaluation_segments(split, seq_len)])
         return float(-log_p[targets].mean())

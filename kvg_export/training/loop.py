@@ -1,4 +1,4 @@
-"""The training loop: AdamW with a warm-up and a cosine decay on random windows of the training split,
+"""The training loop: AdamW with a warm-up and a cosine decay on random segments of the training split,
 validation at intervals, checkpoints to resume from, and at the end the run's report (`training.json`),
 its loss curve and the finished model folder.
 
@@ -35,14 +35,14 @@ EVAL_BATCH = 16
 PUBLISHED_FILES = ("model.safetensors", "tokenizer.json", "training.json", "loss_curve.png")
 
 
-def mean_loss(model: PreTrainedModel, windows: list[np.ndarray]) -> float:
-    """Mean next-token cross-entropy in nats over every window's tokens after its first."""
+def mean_loss(model: PreTrainedModel, segments: list[np.ndarray]) -> float:
+    """Mean next-token cross-entropy in nats over every segment's tokens after its first."""
     total, count = 0.0, 0
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        for length in sorted({len(w) for w in windows}):
-            same = [w for w in windows if len(w) == length]
+        for length in sorted({len(s) for s in segments}):
+            same = [s for s in segments if len(s) == length]
             for begin in range(0, len(same), EVAL_BATCH):
                 ids = torch.from_numpy(np.stack(same[begin : begin + EVAL_BATCH]))
                 logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
@@ -145,8 +145,8 @@ def train(
 
 
 def _validation_loss(model, data: TrainingData, recipe: TrainingRecipe, step: int, write) -> float:
-    """The model's mean loss on the validation windows, written as a line of its own."""
-    validation = mean_loss(model, data.evaluation_windows("validation", recipe.seq_len, recipe.eval_windows))
+    """The model's mean loss on the validation segments, written as a line of its own."""
+    validation = mean_loss(model, data.evaluation_segments("validation", recipe.seq_len, recipe.eval_segments))
     write(f"step {step}: validation loss {validation:.4f} nats/token, perplexity {math.exp(validation):.2f}")
     return validation
 
@@ -186,12 +186,12 @@ def _finish(preset, run_dir, model, data: TrainingData, recipe: TrainingRecipe, 
         "validation_history": state["validation_losses"],
     }
     for split in ("validation", "test"):
-        windows = data.evaluation_windows(split, recipe.seq_len)
-        loss, unigram = mean_loss(model, windows), data.unigram_loss(split, recipe.seq_len)
+        segments = data.evaluation_segments(split, recipe.seq_len)
+        loss, unigram = mean_loss(model, segments), data.unigram_loss(split, recipe.seq_len)
         report[split] = {
-            "windows": len(windows),
-            "window_tokens": recipe.seq_len,
-            "predicted_tokens": sum(len(w) - 1 for w in windows),
+            "segments": len(segments),
+            "segment_tokens": recipe.seq_len,
+            "predicted_tokens": sum(len(s) - 1 for s in segments),
             "loss": loss,
             "perplexity": math.exp(loss),
             "unigram_loss": unigram,
@@ -208,7 +208,7 @@ def _finish(preset, run_dir, model, data: TrainingData, recipe: TrainingRecipe, 
             f"{preset.name}: {report['parameters'] / 1e6:.2f}M parameters, {report['tokens_seen'] / 1e6:.1f}M tokens"
         )
         plot_losses(staging / "loss_curve.png", title, state["train_losses"], state["validation_losses"],
-                    recipe.eval_windows, report["validation"]["unigram_loss"])  # fmt: skip
+                    recipe.eval_segments, report["validation"]["unigram_loss"])  # fmt: skip
     log(f"model: {out} (trained {state['seconds'] / 60:.1f} min)")
     return out
 

@@ -16,8 +16,8 @@ def has_recipe(preset: Path) -> bool:
 @dataclass(frozen=True)
 class TrainingRecipe:
     seed: int  # weight init; batch k is drawn from a generator seeded with (seed, k)
-    seq_len: int  # tokens per training window, and per evaluation window
-    batch_size: int  # windows per step
+    seq_len: int  # tokens per training segment, and per evaluation segment
+    batch_size: int  # segments per step
     steps: int
     learning_rate: float  # peak, after a linear warm-up; then a cosine down to min_lr_ratio of it
     warmup_steps: int
@@ -25,8 +25,8 @@ class TrainingRecipe:
     weight_decay: float = 0.1  # on matrices only, not on norms or biases
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0  # max global gradient norm
-    eval_every: int = 250  # steps between validation losses on the first eval_windows windows
-    eval_windows: int = 64
+    eval_every: int = 250  # steps between validation losses on the first eval_segments segments
+    eval_segments: int = 64
     checkpoint_every: int = 250  # steps between checkpoints (and always at the end)
 
     @classmethod

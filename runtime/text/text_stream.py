@@ -1,9 +1,9 @@
 """Generated tokens as text that is final: held back while it ends mid-character or may begin a stop string.
 
-Each token is decoded in a window that starts one released token back, as vLLM's incremental detokenizer does,
+Each token is decoded with a prefix that starts one released token back, as vLLM's incremental detokenizer does,
 so a token costs the same however long the answer has grown (decoding every token each time cost a 16k-token
-answer seconds). The window's first token is one whose text was already final, so a decoder that treats a
-text's first token differently (a leading space dropped) treats the window's two decodings alike; should the longer
+answer seconds). The prefix's first token is one whose text was already final, so a decoder that treats a
+text's first token differently (a leading space dropped) treats the two decodings from it alike; should the longer
 one not begin with the shorter, the whole answer is decoded instead. Where the tokenizer's text is escaped (the
 released FoX checkpoints'), the decoded text is unescaped up to its last complete escape: never half of one.
 """
@@ -19,8 +19,8 @@ class TextStream:
     def __init__(self, tokenizer: TextTokenizer, stop: Sequence[str] = ()):
         self.tokenizer, self.stop = tokenizer, [s for s in stop if s]
         self.tokens: list[int] = []
-        self.window = 0  # the token the decoding window starts at
-        self.read = 0  # tokens whose text is final (the window's first is among them, once any is)
+        self.prefix = 0  # the token the decoding starts at (vLLM's prefix_offset)
+        self.read = 0  # tokens whose text is final (the prefix's first is among them, once any is)
         self.decoded = 0  # characters of final text so far, as decoded (before unescaping)
         self.escaped = ""  # final decoded text not unescaped yet: it ends in an escape that may go on
         self.pending = ""  # final text not handed out yet: it may begin a stop string
@@ -43,13 +43,13 @@ class TextStream:
 
     def _advance(self, last: bool) -> str:
         decode = self.tokenizer.bpe.decode
-        text = decode(self.tokens[self.window :])
+        text = decode(self.tokens[self.prefix :])
         if text.endswith("\ufffd") and not last:
             return ""
-        before = decode(self.tokens[self.window : self.read])
+        before = decode(self.tokens[self.prefix : self.read])
         # Where the decoder changed text it had already given, the whole answer's text is what counts
         new = text[len(before) :] if text.startswith(before) else decode(self.tokens)[self.decoded :]
-        self.window, self.read, self.decoded = self.read, len(self.tokens), self.decoded + len(new)
+        self.prefix, self.read, self.decoded = self.read, len(self.tokens), self.decoded + len(new)
         escaped = self.escaped + new
         end = len(escaped) if last else self.tokenizer.final_end(escaped)
         self.escaped = escaped[end:]
