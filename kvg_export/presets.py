@@ -26,9 +26,20 @@ if TYPE_CHECKING:
 
     from kvg_export.fox import FoxForCausalLM
 
-MODELS_DIR = Path(os.environ.get("KVG_MODELS_DIR", Path(__file__).resolve().parent.parent / "models"))
 PRESET_FILES = ("config.json", "generation_config.json", "tokenizer.json")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
+
+
+def _models_dir() -> Path:
+    """Where the presets live: KVG_MODELS_DIR, else an installed wheel's copy (package data beside this module,
+    kvg_export/models), else a checkout's models/."""
+    if os.environ.get("KVG_MODELS_DIR"):
+        return Path(os.environ["KVG_MODELS_DIR"])
+    installed = Path(__file__).resolve().parent / "models"
+    return installed if installed.is_dir() else Path(__file__).resolve().parent.parent / "models"
+
+
+MODELS_DIR = _models_dir()
 
 
 def cache_dir() -> Path:

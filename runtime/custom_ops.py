@@ -26,7 +26,8 @@ def _cpu_flags() -> set[str]:
     return set(line.partition(":")[2].split())
 
 
-def _base() -> str:
+def base_tag() -> str:
+    """This OS and machine, with no instruction-set level: what a library built for the baseline runs on."""
     return f"{sys.platform}-{platform.machine().lower()}"
 
 
@@ -34,15 +35,15 @@ def platform_tag() -> str:
     """What a library built here runs on: OS, machine and, on x86-64, the instruction-set level it is built for
     (x86-64-v3, AVX2 and FMA, where this CPU has them)."""
     level = next((name for name, flags in X86_LEVELS.items() if flags <= _cpu_flags()), None)
-    return _base() if level is None else f"{_base()}-{level}"
+    return base_tag() if level is None else f"{base_tag()}-{level}"
 
 
 def can_run(tag: str) -> bool:
     """Whether a library built for `tag` runs here: the same OS and machine, and an instruction-set level this CPU
     has."""
-    if tag == _base():
+    if tag == base_tag():
         return True
-    level = tag.removeprefix(f"{_base()}-")
+    level = tag.removeprefix(f"{base_tag()}-")
     return level in X86_LEVELS and X86_LEVELS[level] <= _cpu_flags()
 
 

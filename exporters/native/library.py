@@ -1,5 +1,11 @@
-"""The fused FoX attention operator's library (exporters/native/fox_attention.cc), built with this machine's C++
-compiler against onnxruntime's C API headers and cached by everything that went into it.
+"""The fused FoX attention operator's library (exporters/native/fox_attention.cc): an installed wheel's prebuilt one
+for this CPU, else built with this machine's C++ compiler against onnxruntime's C API headers and cached by
+everything that went into it.
+
+A wheel built on x86-64 Linux carries the library compiled for the baseline x86-64 and for x86-64-v3 (setup.py's
+build_native), one folder per platform tag under prebuilt/; an export takes the one runtime/custom_ops.py's
+platform_tag names for this CPU, so it needs no compiler. Where the install carries none for this CPU (a checkout,
+another machine or OS), the source build is the fallback, and it says why before compiling.
 
 The headers come from, in order: the folder KVG_ORT_HEADERS names, an installed libonnxruntime-dev
 (/usr/include/onnxruntime), or Debian 13's libonnxruntime-dev package, which apt fetches into the cache with a
@@ -8,8 +14,8 @@ unpacks there. The headers are API version 21 (onnxruntime 1.21); onnxruntime se
 library loads in the onnxruntime this project installs.
 
 `make setup` runs this module, which builds the library or says in one line why it cannot; an export with
-`--attention fused` (or `auto`, on the CPU) builds it when it is missing. Where it cannot be had, exports attend
-through GroupQueryAttention as before.
+`--attention fused` (or `auto`, on the CPU) finds or builds it. Where it cannot be had, exports attend through
+GroupQueryAttention, and `auto` says why on stderr.
 """
 
 from __future__ import annotations
@@ -24,9 +30,10 @@ import tempfile
 from pathlib import Path
 
 from runtime.contract import OP_DOMAIN, OP_NAME, OP_VERSION
-from runtime.custom_ops import platform_tag
+from runtime.custom_ops import X86_LEVELS, base_tag, platform_tag
 
 SOURCE = Path(__file__).parent / "fox_attention.cc"
+PREBUILT = Path(__file__).parent / "prebuilt"  # an installed wheel's libraries, one folder per platform tag
 LIBRARY_NAME = "libkvg_fox_attention.so"
 HEADER = "onnxruntime_cxx_api.h"
 INSTALLED_HEADERS = Path("/usr/include/onnxruntime")
@@ -48,7 +55,33 @@ def cache_folder() -> Path:
 
 
 def _march(tag: str) -> list[str]:
-    return ["-march=x86-64-v3"] if tag.endswith("x86-64-v3") else []
+    """The instruction-set flag for `tag`: its x86-64 level, the baseline x86-64 (whatever the compiler defaults to),
+    or none off x86-64."""
+    level = next((name for name in X86_LEVELS if tag.endswith(f"-{name}")), None)
+    if level:
+        return [f"-march={level}"]
+    return ["-march=x86-64"] if tag.endswith("x86_64") else []
+
+
+def prebuilt_tags() -> list[str]:
+    """The platform tags a wheel built on this machine carries the library for: on x86-64 Linux the baseline and
+    each level of X86_LEVELS, whatever this CPU has; elsewhere none (the source build serves there)."""
+    if base_tag() != "linux-x86_64":
+        return []
+    return [base_tag(), *(f"{base_tag()}-{level}" for level in X86_LEVELS)]
+
+
+def prebuilt() -> Path | None:
+    """This install's prebuilt library for this CPU, or None where it carries none (a checkout, another platform)."""
+    library = PREBUILT / platform_tag() / LIBRARY_NAME
+    return library if library.is_file() else None
+
+
+def _why_no_prebuilt() -> str:
+    carried = sorted(path.parent.name for path in PREBUILT.glob(f"*/{LIBRARY_NAME}"))
+    if not carried:
+        return "this install carries no prebuilt library (a checkout, or a wheel built off x86-64 Linux)"
+    return f"this install carries prebuilt libraries for {', '.join(carried)}, none for {platform_tag()}"
 
 
 def _run(command: list[str], cwd: Path | None = None) -> None:
@@ -109,19 +142,13 @@ def _compiler() -> str:
     return compiler
 
 
-def build(headers: Path | None = None) -> Path:
-    """The library, built if the cache lacks this source, header, compiler and flags' build; raise NativeUnavailable."""
-    compiler, tag = _compiler(), platform_tag()
-    include = find_headers(headers)
-    command = [compiler, *FLAGS, f"-DKVG_FOX_OP_VERSION={OP_VERSION}", *_march(tag), f"-I{include}"]
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), (include / "onnxruntime_c_api.h").read_bytes(), version.encode(),
-                 " ".join(command[1:-1]).encode()):  # fmt: skip
-        digest.update(hashlib.sha256(part).digest())
-    library = cache_folder() / f"{tag}-{digest.hexdigest()[:16]}" / LIBRARY_NAME
-    if library.is_file():
-        return library
+def _command(compiler: str, tag: str, include: Path) -> list[str]:
+    """The compiler's command for a library that runs on `tag`, but for the source and output paths."""
+    return [compiler, *FLAGS, f"-DKVG_FOX_OP_VERSION={OP_VERSION}", *_march(tag), f"-I{include}"]
+
+
+def compile_library(command: list[str], library: Path) -> Path:
+    """Run `command` (from _command) on the source into `library`, which appears whole or not at all."""
     library.parent.mkdir(parents=True, exist_ok=True)
     partial = library.with_suffix(f".{os.getpid()}.partial")
     try:
@@ -130,6 +157,41 @@ def build(headers: Path | None = None) -> Path:
     finally:
         partial.unlink(missing_ok=True)
     return library
+
+
+def build_prebuilt(tag: str, folder: Path) -> Path:
+    """The library for `tag` compiled into `folder`/`tag`/ (a wheel's prebuilt/); raise NativeUnavailable."""
+    compiler = _compiler()
+    return compile_library(_command(compiler, tag, find_headers()), folder / tag / LIBRARY_NAME)
+
+
+def build(headers: Path | None = None) -> Path:
+    """The library, built if the cache lacks this source, header, compiler and flags' build; raise NativeUnavailable."""
+    compiler, tag = _compiler(), platform_tag()
+    include = find_headers(headers)
+    command = _command(compiler, tag, include)
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), (include / "onnxruntime_c_api.h").read_bytes(), version.encode(),
+                 " ".join(command[1:-1]).encode()):  # fmt: skip
+        digest.update(hashlib.sha256(part).digest())
+    library = cache_folder() / f"{tag}-{digest.hexdigest()[:16]}" / LIBRARY_NAME
+    if library.is_file():
+        return library
+    print(f"fused attention: {_why_no_prebuilt()}; compiling {SOURCE.name} for {tag}", file=sys.stderr, flush=True)
+    return compile_library(command, library)
+
+
+def find() -> Path:
+    """The library for this machine: this install's prebuilt one for its CPU, else built from source (raise
+    NativeUnavailable saying why neither)."""
+    library = prebuilt()
+    if library is not None:
+        return library
+    try:
+        return build()
+    except NativeUnavailable as error:
+        raise NativeUnavailable(f"{_why_no_prebuilt()}, and the source build failed: {error}") from None
 
 
 def library_version(library: Path) -> int:
@@ -145,10 +207,11 @@ def manifest_entry(library: Path) -> dict:
 
 
 def available() -> Path | None:
-    """The library, or None where it cannot be built here."""
+    """The library, or None (saying why on stderr) where this install has none for this CPU and cannot build one."""
     try:
-        return build()
-    except NativeUnavailable:
+        return find()
+    except NativeUnavailable as error:
+        print(f"fused attention: unavailable ({error}); attending through GroupQueryAttention", file=sys.stderr)
         return None
 
 
@@ -156,7 +219,7 @@ def main() -> int:
     """`python -m exporters.native.library`: build the library, one line either way; the exit is 0 both ways, since
     exports then fall back to GroupQueryAttention."""
     try:
-        library = build()
+        library = find()
     except NativeUnavailable as error:
         print(f"fused attention: not built ({error}); exports attend through GroupQueryAttention (--attention gqa)")
         return 0

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from exporters.checks.validate import MIN_STATIC_LENGTH, References
 from exporters.evaluation.evaluate import EagerRun, Thresholds
-from exporters.native.library import NativeUnavailable, available, build
+from exporters.native.library import NativeUnavailable, available, find
 from exporters.quantization.settings import Quantization
 from runtime.cache.pruning import check_tolerance
 from runtime.contract import DEFAULT_OPSET, DYNAMIC_MAX_POSITIONS, held_in_place
@@ -133,13 +133,13 @@ def _attention(options: ExportOptions) -> str:
                 "leave --attention out for CUDA"
             )
         try:
-            options.library = build()
+            options.library = find()
         except NativeUnavailable as error:
             raise ExportError(f"--attention fused: {error}; or export with --attention gqa") from None
         return attention
     if attention == "auto":
         if not cuda:
-            options.library = available() if dtype == "fp32" else None  # `make setup` said why in one line if not
+            options.library = available() if dtype == "fp32" else None  # which said why on stderr if not
             return "gqa" if options.library is None else "fused"
         if dtype != "fp32":
             return "gqa"
