@@ -40,7 +40,7 @@ EVAL_FLAGS ?=
 GPU_PYTHON ?= python3
 GPU_CHECK_FLAGS ?=
 
-.PHONY: setup test lint format clean export generate serve serve-static lm-eval lm-eval-static train eval gpu-bundle gpu-check bench bench-sizes bench-long bench-serve profile
+.PHONY: setup test wheel wheel-check lint format clean export generate serve serve-static lm-eval lm-eval-static train eval gpu-bundle gpu-check bench bench-sizes bench-long bench-serve profile
 
 setup: $(STAMP)
 
@@ -54,6 +54,16 @@ $(STAMP): pyproject.toml constraints.txt
 
 test: setup
 	$(PY) -m pytest -q -n auto --dist loadfile
+
+# `make wheel`: the sdist and the platform wheel in dist/, the fused operator prebuilt into the wheel for x86-64 and
+# x86-64-v3 (docs/install.md)
+wheel: setup
+	$(PY) -m build --outdir dist .
+
+# `make wheel-check`: builds both again, installs the wheel into fresh environments with no C++ compiler on PATH and
+# runs kvg-export, kvg-generate and kvg-serve from a folder outside the checkout (.ci/wheel_check.py; a few minutes)
+wheel-check: setup
+	$(PY) .ci/wheel_check.py
 
 export: setup
 	$(EXPORT) $(if $(FORCE),--force)
@@ -127,4 +137,4 @@ format: setup
 	$(VENV)/bin/ruff format .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis build dist

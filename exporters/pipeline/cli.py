@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 from exporters.evaluation.evaluate import Thresholds
@@ -85,6 +86,7 @@ def _quality(args: argparse.Namespace) -> QualityOptions:
 
 def parse_args(argv: list[str] | None) -> ExportOptions:
     parser = argparse.ArgumentParser(prog="kvg-export", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version('kvg-export')}")
     parser.add_argument("model", help="a preset name (see models/) or a local checkpoint folder")
     parser.add_argument("--out", type=Path, required=True, help="the artifact folder to create")
     parser.add_argument("--cache", choices=("dynamic", "static"), default="dynamic")
