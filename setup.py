@@ -1,7 +1,8 @@
 """The wheel's build beyond pyproject.toml: the fused attention operator compiled for each x86-64 level the wheel
 carries (exporters/native/library.py's prebuilt_tags), and the platform tag a wheel holding native code needs.
 
-The libraries are loaded by onnxruntime, not by Python, so the wheel is tagged py3-none-<platform>. An editable install (`make setup`) builds nothing here; the checkout builds its library from source.
+The libraries are loaded by onnxruntime, not by Python, so the wheel is tagged py3-none-<platform>. An editable
+install (`make setup`) builds nothing here; the checkout builds its library from source.
 """
 
 import sys
@@ -13,14 +14,14 @@ from setuptools.command.build import build
 from setuptools.errors import CompileError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from exporters.native import library  # noqa: E402  (the checkout being built, not an installed copy)
+from exporters.native import library  # the checkout being built, not an installed copy
 
 
 class BuildNative(Command):
     """Compile exporters/native/fox_attention.cc for each prebuilt tag into the build's exporters/native/prebuilt/."""
 
     description = "compile the fused attention operator for each x86-64 level the wheel carries"
-    user_options = []  # noqa: RUF012  (distutils' interface)
+    user_options = []
 
     def initialize_options(self) -> None:
         self.build_lib = None
@@ -52,7 +53,7 @@ class BuildNative(Command):
 
 
 class BuildWithNative(build):
-    sub_commands = [*build.sub_commands, ("build_native", None)]  # noqa: RUF012
+    sub_commands = [*build.sub_commands, ("build_native", None)]
 
 
 class NativeDistribution(Distribution):
