@@ -130,6 +130,29 @@ def export(bin_folder: Path, env: dict, work: Path, library: Path, cache: str) -
     return out
 
 
+def fallback(bin_folder: Path, env: dict, work: Path) -> None:
+    """With this CPU's prebuilt library taken out of the install (as on a CPU the wheel has none for) and no
+    compiler: `--attention fused` is refused and an `auto` export attends through GroupQueryAttention, each saying
+    why."""
+    python = str(bin_folder / "python")
+    where = "import exporters.native.library as l; print(l.PREBUILT / l.platform_tag())"
+    shutil.rmtree(run([python, "-c", where], env=env).stdout.strip())
+    export = [str(bin_folder / "kvg-export"), "fox-py", "--out", "fox-py-fallback"]
+    print("$ " + " ".join([*export, "--attention", "fused"]), flush=True)
+    refused = subprocess.run([*export, "--attention", "fused"], env=env, cwd=work, capture_output=True, text=True)
+    print(refused.stderr.strip())
+    why = f"none for {platform_tag()}, and the source build failed: no C++ compiler"
+    check(refused.returncode == 2 and why in refused.stderr, f"--attention fused was not refused saying {why!r}")
+    done = run(export, env=env, cwd=work)
+    said = [line for line in done.stderr.splitlines() if line.startswith("fused attention:")]
+    print("\n".join(said))
+    check(len(said) == 1 and why in said[0] and said[0].endswith("attending through GroupQueryAttention"),
+          f"the auto export did not say why it fell back:\n{done.stderr}")  # fmt: skip
+    attention = json.loads((work / "fox-py-fallback" / "kvg_config.json").read_text())["attention"]
+    check(attention == "gqa", f"the fallback export attends through {attention}")
+    print("manifest: attention gqa")
+
+
 def readme_generation() -> list[str]:
     """The lines the README shows between kvg-generate's first line and its timing line."""
     text = (ROOT / "README.md").read_text()
@@ -200,27 +223,30 @@ def main() -> int:
 
         step("install the wheel with the export extra (torch's CPU wheel first) into a fresh environment")
         full = install(scratch / "venv-export", TORCH, f"{wheel}[export]")
-        env = no_compiler_env(full, scratch / "home-export")
+        full_env = no_compiler_env(full, scratch / "home-export")
         step("kvg-export fox-py, from a folder outside the checkout, with no compiler")
-        print(run([str(full / "kvg-export"), "--version"], env=env).stdout.strip())
-        dynamic = export(full, env, work, library, "dynamic")
-        static = export(full, env, work, library, "static")
+        print(run([str(full / "kvg-export"), "--version"], env=full_env).stdout.strip())
+        dynamic = export(full, full_env, work, library, "dynamic")
+        static = export(full, full_env, work, library, "static")
         step("kvg-generate, as the README shows it")
-        expected = generate(full, env, work, dynamic)
+        expected = generate(full, full_env, work, dynamic)
 
         step("the runtime-only install (the wheel, no extras) into a fresh environment: no torch, no transformers")
         lean = install(scratch / "venv-runtime", str(wheel))
-        env = no_compiler_env(lean, scratch / "home-runtime")
+        lean_env = no_compiler_env(lean, scratch / "home-runtime")
         absent = "import importlib.util as u; print([m for m in ('torch', 'transformers') if u.find_spec(m)])"
-        found = run([str(lean / "python"), "-c", absent], env=env).stdout.strip()
+        found = run([str(lean / "python"), "-c", absent], env=lean_env).stdout.strip()
         check(found == "[]", f"the runtime-only install holds {found}")
         print("neither torch nor transformers is installed")
-        check(generate(lean, env, work, dynamic) == expected, "the runtime-only install generates other text")
+        check(generate(lean, lean_env, work, dynamic) == expected, "the runtime-only install generates other text")
         step("kvg-serve from the runtime-only install with the serve extra added (still no torch): one completion")
         install(scratch / "venv-runtime", f"{wheel}[serve]")
-        found = run([str(lean / "python"), "-c", absent], env=env).stdout.strip()
+        found = run([str(lean / "python"), "-c", absent], env=lean_env).stdout.strip()
         check(found == "[]", f"the serve extra installed {found}")
-        serve(lean, env, work, static, expected)
+        serve(lean, lean_env, work, static, expected)
+
+        step("the fallback: the export environment without a library for this CPU, and no compiler")
+        fallback(full, full_env, work)
         print(f"\nwheel check passed in {time.monotonic() - started:.0f} s")
     return 0
 
