@@ -8,7 +8,10 @@ environments, run from a folder outside the checkout with no C++ compiler on PAT
   library (the artifact's copy is byte for byte the wheel's for this CPU; nothing compiled);
 - `kvg-generate` prints what the README shows;
 - the runtime-only install (no extras: no torch or transformers installed) runs that artifact with kvg-generate
-  to the same text, and with the `serve` extra added kvg-serve answers one completion with the same greedy tokens.
+  to the same text, and with the `serve` extra added kvg-serve answers one completion with the same greedy tokens;
+- taken out of the export environment, this CPU's level's library gives way to the baseline one, and with neither
+  left (and no compiler) `--attention fused` is refused and an `auto` export attends through GroupQueryAttention,
+  each saying why.
 Stdlib only: it runs under any python3 that has `build` (the checkout's .venv).
 """
 
@@ -30,7 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from runtime.custom_ops import platform_tag  # noqa: E402  (stdlib only: this checkout's, not an installed one)
+from runtime.custom_ops import base_tag, platform_tag  # noqa: E402  (stdlib only: this checkout's, not an installed one)
 
 TORCH = os.environ.get("TORCH", "torch==2.13.0+cpu")  # as the Makefile's setup pins it
 COMPILERS = ("c++", "g++", "gcc", "cc", "clang", "clang++")
@@ -130,19 +133,35 @@ def export(bin_folder: Path, env: dict, work: Path, library: Path, cache: str) -
     return out
 
 
+def installed_prebuilt(bin_folder: Path, env: dict) -> Path:
+    where = "import exporters.native.library as l; print(l.PREBUILT)"
+    return Path(run([str(bin_folder / "python"), "-c", where], env=env).stdout.strip())
+
+
+def baseline(bin_folder: Path, env: dict, work: Path, library: Path) -> None:
+    """With this CPU's level's library taken out of the install (as on a CPU the wheel has no level for): the export
+    takes the baseline library, still with no compiler."""
+    shutil.rmtree(installed_prebuilt(bin_folder, env) / platform_tag())
+    out = "fox-py-baseline"
+    done = run([str(bin_folder / "kvg-export"), "fox-py", "--out", out, "--attention", "fused"], env=env, cwd=work)
+    manifest = json.loads((work / out / "kvg_config.json").read_text())
+    check(manifest["custom_ops"]["platform"] == base_tag(), f"the library taken is for {manifest['custom_ops']}")
+    check((work / out / LIBRARY).read_bytes() == library.read_bytes(), "it is not the wheel's baseline library")
+    check("fused attention" not in done.stderr, "the export did not take the baseline library:\n" + done.stderr)
+    print(f"manifest: attention {manifest['attention']}, platform {base_tag()}; the wheel's baseline library")
+
+
 def fallback(bin_folder: Path, env: dict, work: Path) -> None:
-    """With this CPU's prebuilt library taken out of the install (as on a CPU the wheel has none for) and no
-    compiler: `--attention fused` is refused and an `auto` export attends through GroupQueryAttention, each saying
-    why."""
-    python = str(bin_folder / "python")
-    where = "import exporters.native.library as l; print(l.PREBUILT / l.platform_tag())"
-    shutil.rmtree(run([python, "-c", where], env=env).stdout.strip())
+    """With no prebuilt library left in the install (as on a platform the wheel has none for) and no compiler:
+    `--attention fused` is refused and an `auto` export attends through GroupQueryAttention, each saying why."""
+    shutil.rmtree(installed_prebuilt(bin_folder, env))
     export = [str(bin_folder / "kvg-export"), "fox-py", "--out", "fox-py-fallback"]
     print("$ " + " ".join([*export, "--attention", "fused"]), flush=True)
     refused = subprocess.run([*export, "--attention", "fused"], env=env, cwd=work, capture_output=True, text=True)
     print(refused.stderr.strip())
-    why = f"none for {platform_tag()}, and the source build failed: no C++ compiler"
-    check(refused.returncode == 2 and why in refused.stderr, f"--attention fused was not refused saying {why!r}")
+    why = "this install carries no prebuilt library"
+    check(refused.returncode == 2 and why in refused.stderr and "no C++ compiler" in refused.stderr,
+          f"--attention fused was not refused saying {why!r} and that there is no compiler")  # fmt: skip
     done = run(export, env=env, cwd=work)
     said = [line for line in done.stderr.splitlines() if line.startswith("fused attention:")]
     print("\n".join(said))
@@ -218,8 +237,9 @@ def main() -> int:
         wheel, _ = build(scratch / "dist")
         libraries = inspect(wheel, scratch)
         library = libraries[platform_tag()]
-        work = scratch / "work"  # outside the checkout: the presets must come from the wheel
+        work = scratch / "work"  # outside the checkout: the presets and the code must come from the wheel
         work.mkdir()
+        os.chdir(work)  # so too for `python -c`, which would import the checkout's packages from the checkout
 
         step("install the wheel with the export extra (torch's CPU wheel first) into a fresh environment")
         full = install(scratch / "venv-export", TORCH, f"{wheel}[export]")
@@ -245,7 +265,10 @@ def main() -> int:
         check(found == "[]", f"the serve extra installed {found}")
         serve(lean, lean_env, work, static, expected)
 
-        step("the fallback: the export environment without a library for this CPU, and no compiler")
+        if platform_tag() != base_tag():
+            step("the export environment without the library for this CPU's level: the baseline one, no compiler")
+            baseline(full, full_env, work, libraries[base_tag()])
+        step("the fallback: the export environment without prebuilt libraries, and no compiler")
         fallback(full, full_env, work)
         print(f"\nwheel check passed in {time.monotonic() - started:.0f} s")
     return 0

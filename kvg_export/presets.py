@@ -1,9 +1,10 @@
 """Resolve `MODEL=` (a preset name, a preset folder, or any local checkpoint folder) to a loaded FoX model.
 
-The model hub is unreachable, so presets in `models/` are made here. A trained preset (`fox-py`,
-`fox-pro-py`) holds its committed weights and is a checkpoint folder as it is. A random-weight preset
-holds a configuration and a tokenizer; its weights are made on first use from a fixed seed, saved as
-safetensors under the cache directory (`$KVG_CACHE_DIR`, default `~/.cache/kvg-export`) and reused after that.
+The model hub is unreachable, so presets in `models/` (which a wheel carries as kvg_export/models) are made here.
+A trained preset (`fox-py`, `fox-pro-py`) holds its committed weights and is a checkpoint folder as it is. A
+random-weight preset holds a configuration and a tokenizer; its weights are made on first use from a fixed seed,
+saved as safetensors under the cache directory (`$KVG_CACHE_DIR`, default `~/.cache/kvg-export`) and reused after
+that.
 
 Resolving a name needs no torch (the exporter's own process resolves without it); building and loading import it.
 """

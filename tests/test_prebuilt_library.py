@@ -1,6 +1,6 @@
-"""Which fused-operator library an export takes: an installed wheel's prebuilt one for this CPU without compiling,
-else the source build, which says why; where neither can be had, the reason names both. (`make wheel-check` runs the
-real thing: the built wheel's libraries, in an environment with no compiler.)"""
+"""Which fused-operator library an export takes: an installed wheel's prebuilt one for this CPU's level, else its
+baseline one, without compiling; else the source build, which says why; where neither can be had, the reason names
+both. (`make wheel-check` runs the real thing: the built wheel's libraries, in an environment with no compiler.)"""
 
 from __future__ import annotations
 
@@ -37,8 +37,23 @@ def test_an_install_takes_its_prebuilt_library_for_this_cpu_without_a_compiler(i
     built = tmp_path / "built.so"
     built.write_bytes(b"the library a wheel carries")  # find() only picks the file; the wheel check loads them
     _carry(install, platform_tag(), built)
+    _carry(install, base_tag(), built)
     _carry(install, "linux-riscv64", built)
     assert library.find() == install / platform_tag() / library.LIBRARY_NAME
+    assert library.built_for(library.find()) == platform_tag()
+
+
+def test_a_cpu_the_install_has_no_level_for_takes_the_baseline_library(install, no_compiler, tmp_path):
+    built = tmp_path / "built.so"
+    built.write_bytes(b"the baseline library")
+    _carry(install, base_tag(), built)
+    _carry(install, "linux-riscv64", built)
+    assert library.find() == install / base_tag() / library.LIBRARY_NAME
+    assert library.built_for(library.find()) == base_tag()
+
+
+def test_a_source_build_is_for_this_machines_own_tag(tmp_path):
+    assert library.built_for(tmp_path / f"{platform_tag()}-0123456789abcdef" / library.LIBRARY_NAME) == platform_tag()
 
 
 def test_without_one_for_this_cpu_the_reason_names_what_the_install_carries_and_why_no_build(
@@ -50,7 +65,7 @@ def test_without_one_for_this_cpu_the_reason_names_what_the_install_carries_and_
     with pytest.raises(library.NativeUnavailable) as refused:
         library.find()
     said = str(refused.value)
-    assert f"prebuilt libraries for linux-riscv64, none for {platform_tag()}" in said
+    assert f"prebuilt libraries for linux-riscv64, none that runs on {platform_tag()}" in said
     assert "no C++ compiler" in said
     assert library.available() is None
     assert capsys.readouterr().err == f"fused attention: unavailable ({said}); attending through GroupQueryAttention\n"

@@ -3,9 +3,10 @@ for this CPU, else built with this machine's C++ compiler against onnxruntime's 
 everything that went into it.
 
 A wheel built on x86-64 Linux carries the library compiled for the baseline x86-64 and for x86-64-v3 (setup.py's
-build_native), one folder per platform tag under prebuilt/; an export takes the one runtime/custom_ops.py's
-platform_tag names for this CPU, so it needs no compiler. Where the install carries none for this CPU (a checkout,
-another machine or OS), the source build is the fallback, and it says why before compiling.
+build_native), one folder per platform tag under prebuilt/; an export takes the one for this CPU's tag
+(runtime/custom_ops.py's platform_tag), else the baseline, which every x86-64 runs, so it needs no compiler. Where
+the install carries none this CPU runs (a checkout, another machine or OS), the source build is the fallback, and it
+says why before compiling.
 
 The headers come from, in order: the folder KVG_ORT_HEADERS names, an installed libonnxruntime-dev
 (/usr/include/onnxruntime), or Debian 13's libonnxruntime-dev package, which apt fetches into the cache with a
@@ -72,16 +73,25 @@ def prebuilt_tags() -> list[str]:
 
 
 def prebuilt() -> Path | None:
-    """This install's prebuilt library for this CPU, or None where it carries none (a checkout, another platform)."""
-    library = PREBUILT / platform_tag() / LIBRARY_NAME
-    return library if library.is_file() else None
+    """This install's prebuilt library that this CPU runs best: its own level's, else the baseline's; None where the
+    install carries neither (a checkout, another platform)."""
+    for tag in dict.fromkeys((platform_tag(), base_tag())):
+        library = PREBUILT / tag / LIBRARY_NAME
+        if library.is_file():
+            return library
+    return None
+
+
+def built_for(library: Path) -> str:
+    """The platform tag `library` runs on: its prebuilt folder's, else this machine's (a source build's)."""
+    return library.parent.name if library.parent.parent == PREBUILT else platform_tag()
 
 
 def _why_no_prebuilt() -> str:
     carried = sorted(path.parent.name for path in PREBUILT.glob(f"*/{LIBRARY_NAME}"))
     if not carried:
-        return "this install carries no prebuilt library (a checkout, or a wheel built off x86-64 Linux)"
-    return f"this install carries prebuilt libraries for {', '.join(carried)}, none for {platform_tag()}"
+        return "this install carries no prebuilt library"
+    return f"this install carries prebuilt libraries for {', '.join(carried)}, none that runs on {platform_tag()}"
 
 
 def _run(command: list[str], cwd: Path | None = None) -> None:
@@ -203,7 +213,7 @@ def library_version(library: Path) -> int:
 def manifest_entry(library: Path) -> dict:
     """What a fused artifact's manifest says of the library it carries (runtime/custom_ops.py reads it)."""
     return {"file": library.name, "domain": OP_DOMAIN, "op": OP_NAME, "version": library_version(library),
-            "platform": platform_tag()}  # fmt: skip
+            "platform": built_for(library)}  # fmt: skip
 
 
 def available() -> Path | None:
@@ -223,7 +233,7 @@ def main() -> int:
     except NativeUnavailable as error:
         print(f"fused attention: not built ({error}); exports attend through GroupQueryAttention (--attention gqa)")
         return 0
-    print(f"fused attention: {library} ({platform_tag()})")
+    print(f"fused attention: {library} ({built_for(library)})")
     return 0
 
 
