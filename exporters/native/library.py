@@ -56,8 +56,8 @@ def cache_folder() -> Path:
 
 
 def _march(tag: str) -> list[str]:
-    """The instruction-set flag for `tag`: its x86-64 level, the baseline x86-64 (whatever the compiler defaults to),
-    or none off x86-64."""
+    """The instruction-set flag for `tag`: its x86-64 level; the baseline x86-64 named, not left to the compiler's
+    default, which some distributions raise; none off x86-64."""
     level = next((name for name in X86_LEVELS if tag.endswith(f"-{name}")), None)
     if level:
         return [f"-march={level}"]
