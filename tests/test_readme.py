@@ -35,6 +35,7 @@ RELEASED_FOLDER = "/path/to/fox-pro-760m-longcrawl64-48b"  # the README's placeh
 DRY_RUN = {
     "test": "it would run this suite inside itself",
     "lm-eval": "tests/test_lm_eval.py runs the same harness on fox-py document by document",
+    "wheel": "it compiles the operator twice; .ci/run's `make wheel-check` builds, installs and runs the wheel",
 }
 SERVERS = ("kvg-serve", "make serve")  # commands that serve until stopped
 NUMBER = r"[-+]?(?:\d[\d,]*)?\.?\d+(?:e[-+]?\d+)?"
