@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)  # fmt: skip
             return 0
         if given := [flag for flag, value in RAY_ONLY.items() if getattr(args, value) is not None]:
-            raise RequestError(f"{', '.join(given)} scale Ray replicas: add --ray")
+            raise RequestError(f"{', '.join(given)}: Ray replicas only; add --ray")
         app = open_app(options)
     except (ArtifactError, RequestError) as error:
         print(f"kvg-serve: error: {error}", file=sys.stderr)
