@@ -29,6 +29,7 @@ from pydantic import ValidationError
 from ray import serve
 from ray.serve import Application
 from ray.serve.config import AutoscalingConfig
+from ray.serve.context import _get_global_client
 from starlette.types import Message
 
 from runtime.errors import RequestError
@@ -229,6 +230,12 @@ def serve_forever(options: ServeOptions, scale: Scaling, replica_cpus: float, ho
         signal.signal(signum, on_signal)
     drain_signal = DrainSignal.remote()
     serve.start(http_options={"host": host, "port": port})
+    proxy = _get_global_client().http_config  # Ray Serve keeps the proxy it has, whatever the new options say
+    if (proxy.host, proxy.port) != (host, port):
+        ray.shutdown()
+        raise RequestError(f"Ray Serve already runs on this cluster with its HTTP proxy on {proxy.host}:{proxy.port} "
+                           f"(one a cluster): serve there with --host {proxy.host} --port {proxy.port}, or stop it "
+                           "first with `serve shutdown`")  # fmt: skip
     serve.run(application(options, scale, replica_cpus, drain_signal), name=DEPLOYMENT, route_prefix="/")
     while not signalled.wait(0.1):  # a timed wait, so that the signal's handler runs at once
         pass
