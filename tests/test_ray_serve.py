@@ -19,7 +19,8 @@ from runtime.artifact import SessionOptions
 from runtime.cli import serve as serve_cli
 from runtime.decode.generator import GenerationConfig, Generator
 from runtime.errors import ArtifactError, RequestError
-from runtime.serving.ray_app import DEPLOYMENT, Scaling, app_builder, scaling
+from runtime.serving.ray_app import DEPLOYMENT, app_builder
+from runtime.serving.ray_scaling import Scaling, scaling
 
 MODEL = "fox-tiny"
 # Beyond a grace period that ran out: Serve's deletion of the drained app and the local cluster's shutdown (about 3 s

@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         from runtime.serving.server import ServeOptions, open_app
 
         if args.ray:
-            from runtime.serving.ray_app import scaling, serve_forever
+            from runtime.serving.ray_app import serve_forever
+            from runtime.serving.ray_scaling import scaling
     except ImportError as missing:
         print(f"kvg-serve: error: {missing.name} is not installed: pip install 'kvg-export[{extra}]'", file=sys.stderr)
         return 2

@@ -17,18 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
-import re
 import signal
 import threading
 import time
 from collections.abc import AsyncIterator
 
 import ray
-from pydantic import ValidationError
 from ray import serve
 from ray.serve import Application
-from ray.serve.config import AutoscalingConfig
 from ray.serve.context import _get_global_client
 from starlette.types import Message
 
@@ -37,6 +33,7 @@ from runtime.serving.answers import ServerState
 from runtime.serving.drain import CUT_FLUSH_S, SIGNALS, exit_at_once, stopped_line
 from runtime.serving.ray_gateway import Gateway, running_replicas
 from runtime.serving.ray_relay import Forwarded, relay
+from runtime.serving.ray_scaling import Scaling, scaling
 from runtime.serving.server import ServeOptions, open_app
 
 DEPLOYMENT = "kvg-serve"  # the application's name, and its replicas' deployment
@@ -50,67 +47,6 @@ SCALING = ("replicas", "autoscale", "autoscale_config", "replica_cpus")
 REPORT_MARGIN_S = 10.0  # beyond the grace period and the cut, for the replicas' reports to come
 HEALTH_CHECK_S = 1.0  # how often Serve asks each replica whether it is well: how soon a lost one is counted out
 STATUS_ROOM = 16  # requests the gateway takes beyond the replicas' room: /health and /metrics while they are full
-
-
-@dataclasses.dataclass(frozen=True)
-class Scaling:
-    """How many replicas: `replicas`, or with `autoscaling` (Ray Serve's autoscaling_config) as the load asks."""
-
-    replicas: int = 1
-    autoscaling: dict | None = None
-
-    @property
-    def most(self) -> int:
-        return self.replicas if self.autoscaling is None else self.autoscaling["max_replicas"]
-
-    def options(self) -> dict:
-        """The replicas' deployment options that say how many."""
-        return {"num_replicas": self.replicas} if self.autoscaling is None else {"autoscaling_config": self.autoscaling}
-
-
-def scaling(replicas: int | None, autoscale: str | None, autoscale_config: str | None, max_batch: int) -> Scaling:
-    """`--replicas N`, or `--autoscale MIN:MAX` aiming at `max_batch` requests in flight a replica (a replica whose
-    rows are all busy asks for another), with `--autoscale-config` (JSON) setting any other field of Ray Serve's
-    autoscaling_config; RequestError naming the fix for what does not parse."""
-    if autoscale is None:
-        if autoscale_config is not None:
-            raise RequestError("--autoscale-config tunes --autoscale: give --autoscale MIN:MAX too")
-        if replicas is not None and replicas < 1:
-            raise RequestError(f"--replicas {replicas}: a deployment needs at least 1 replica")
-        return Scaling(1 if replicas is None else replicas)
-    if replicas is not None:
-        raise RequestError("give --replicas N (a fixed number) or --autoscale MIN:MAX (as the load asks), not both")
-    bounds = re.fullmatch(r"(\d+):(\d+)", autoscale.strip())
-    if bounds is None or not 1 <= int(bounds[1]) <= int(bounds[2]):
-        raise RequestError(f"--autoscale {autoscale!r}: give MIN:MAX, the fewest and the most replicas, whole numbers "
-                           "with 1 <= MIN <= MAX (e.g. --autoscale 1:4)")  # fmt: skip
-    config = {"min_replicas": int(bounds[1]), "max_replicas": int(bounds[2]), "target_ongoing_requests": max_batch}
-    return Scaling(autoscaling={**config, **_tuning(autoscale_config)})
-
-
-def _tuning(text: str | None) -> dict:
-    """--autoscale-config's fields of Ray Serve's autoscaling_config, checked by Ray's own model."""
-    if text is None:
-        return {}
-    try:
-        tuning = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise RequestError(f"--autoscale-config is not JSON ({error}): give an object, e.g. "
-                           '\'{"upscale_delay_s": 10, "downscale_delay_s": 120}\'') from None  # fmt: skip
-    if not isinstance(tuning, dict):
-        raise RequestError("--autoscale-config must be a JSON object of Ray Serve's autoscaling_config fields")
-    fields = set(AutoscalingConfig.model_fields)
-    if unknown := sorted(set(tuning) - fields):
-        raise RequestError(f"--autoscale-config: unknown fields {unknown}; Ray Serve's autoscaling_config has "
-                           f"{sorted(fields)}")  # fmt: skip
-    if bounds := sorted({"min_replicas", "max_replicas"} & set(tuning)):
-        raise RequestError(f"--autoscale-config: {bounds} come from --autoscale MIN:MAX; set them there")
-    try:
-        AutoscalingConfig(**tuning)
-    except ValidationError as error:
-        first = error.errors()[0]
-        raise RequestError(f"--autoscale-config: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
-    return tuning
 
 
 @ray.remote(num_cpus=0)
@@ -180,7 +116,7 @@ class Replica:
 
 
 def application(
-    options: ServeOptions, scale: Scaling = Scaling(), replica_cpus: float = 1.0, drain_signal=None
+    options: ServeOptions, scale: Scaling, replica_cpus: float = 1.0, drain_signal=None
 ) -> Application:  # fmt: skip
     """The gateway in front of the replicas; each replica opens the artifact itself (the engine is built on it).
     `drain_signal`: the DrainSignal the replicas drain by (None: Ray Serve's own graceful shutdown alone)."""
