@@ -16,9 +16,11 @@ from ray import serve
 from test_serve_shutdown import LONG, MEDIUM, SHORT, ended_after, kvg_serve, streamed, wait_for_draining
 
 from runtime.artifact import SessionOptions
+from runtime.cli import serve as serve_cli
 from runtime.decode.generator import GenerationConfig, Generator
-from runtime.errors import ArtifactError
+from runtime.errors import ArtifactError, RequestError
 from runtime.serving.ray_app import DEPLOYMENT, app_builder
+from runtime.serving.ray_scaling import Scaling, scaling
 
 MODEL = "fox-tiny"
 # Beyond a grace period that ran out: Serve's deletion of the drained app and the local cluster's shutdown (about 3 s
@@ -37,13 +39,15 @@ def test_kvg_serve_on_two_ray_replicas_drains_on_ctrl_c_and_exits_0(exported):
     with kvg_serve(artifact, grace, *REPLICAS, session=True) as (process, url):
         [alone] = streamed(url, SHORT)
         alone.join()
-        # the proxy spreads them over both replicas; the longest keep the app up (the driver waits for every
-        # replica) while a request is refused. Two are long: on a loaded machine the medium ones may end while
-        # the last of the four waits for its first token, before the signal (a clean-clone CI run saw 1 of 4)
-        streams = streamed(url, MEDIUM, MEDIUM, LONG, LONG)
+        # spread over both replicas; the longest keep the app up (the driver waits for every replica) while a request
+        # is refused. The long two begin last, once the medium ones stream (on a loaded machine a medium one may end
+        # while the last of the four waits for its first token; a clean-clone CI run saw 1 of 4 in flight), and the
+        # signal follows their first tokens: each has hundreds of steps to go at the signal, however fast the machine
+        streams = streamed(url, MEDIUM, MEDIUM)
+        streams += streamed(url, LONG, LONG)
         sent = time.monotonic()
         os.killpg(process.pid, signal.SIGINT)
-        wait_for_draining(url, consecutive=2)  # both replicas wait on one event: they begin within milliseconds
+        wait_for_draining(url)  # the gateway says so once every running replica drains
         draining = time.monotonic()
         refused = httpx.post(f"{url}/v1/completions", json={"prompt": "def main():", "max_tokens": 4}, timeout=30)
         assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
@@ -122,7 +126,7 @@ def test_two_replicas_answer_many_clients_with_the_tokens_each_gets_alone(ray_ur
         got = list(pool.map(ask, range(12)))
     generator = Generator.open(folder, SessionOptions(provider="cpu"))
     assert got == [generator.generate([prompt], GenerationConfig(12)).tokens[0] for prompt in prompts]
-    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{url}/health").json() == {"status": "ok", "replicas": 2}
     assert [model.id for model in api.models.list().data] == [MODEL]
     bad = httpx.post(f"{url}/v1/completions", json={"prompt": [], "max_tokens": 3})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
@@ -132,5 +136,41 @@ def test_the_app_builder_refuses_what_it_cannot_serve(exported):
     folder = exported("fox-tiny", "static")[0].path
     with pytest.raises(ValueError, match="unknown arguments \\['max_batches'\\]"):
         app_builder({"artifact": str(folder), "max_batches": "4"})
+    with pytest.raises(RequestError, match="1 <= MIN <= MAX"):
+        app_builder({"artifact": str(folder), "autoscale": "3:1"})
     with pytest.raises(ArtifactError, match="re-export with --cache static"):
         app_builder({"artifact": str(exported("fox-tiny", "dynamic")[0].path)})
+
+
+def test_autoscale_aims_each_replica_at_its_rows_and_takes_ray_serves_other_fields():
+    """A replica whose rows are all busy asks for another; the rest is Ray Serve's autoscaling_config."""
+    assert scaling(None, "1:3", None, 4) == Scaling(autoscaling={"min_replicas": 1, "max_replicas": 3,
+                                                                 "target_ongoing_requests": 4})  # fmt: skip
+    tuned = scaling(None, "2:5", '{"downscale_delay_s": 60, "target_ongoing_requests": 2}', 8).autoscaling
+    assert tuned == {"min_replicas": 2, "max_replicas": 5, "target_ongoing_requests": 2, "downscale_delay_s": 60}
+    assert scaling(None, None, None, 4) == Scaling(1) and scaling(3, None, None, 4).options() == {"num_replicas": 3}
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--ray", "--autoscale", "3:1"], "--autoscale '3:1': give MIN:MAX, the fewest and the most replicas"),
+        (["--ray", "--autoscale", "2"], "1 <= MIN <= MAX (e.g. --autoscale 1:4)"),
+        (["--ray", "--autoscale", "0:2"], "1 <= MIN <= MAX"),
+        (["--ray", "--autoscale", "1:3", "--replicas", "2"], "give --replicas N (a fixed number) or --autoscale"),
+        (["--ray", "--autoscale-config", "{}"], "--autoscale-config tunes --autoscale: give --autoscale MIN:MAX too"),
+        (["--ray", "--autoscale", "1:3", "--autoscale-config", "{up"], "--autoscale-config is not JSON"),
+        (["--ray", "--autoscale", "1:3", "--autoscale-config", "[1]"], "must be a JSON object"),
+        (["--ray", "--autoscale", "1:3", "--autoscale-config", '{"upscale_delay": 1}'], "unknown fields"),
+        (["--ray", "--autoscale", "1:3", "--autoscale-config", '{"max_replicas": 5}'], "set them there"),
+        (["--ray", "--autoscale", "1:3", "--autoscale-config", '{"upscale_delay_s": -1}'],
+         "upscale_delay_s: Input should be greater than or equal to 0"),
+        (["--ray", "--replicas", "0"], "--replicas 0: a deployment needs at least 1 replica"),
+        (["--autoscale", "1:3"], "--autoscale: Ray replicas only; add --ray"),
+    ],
+)  # fmt: skip
+def test_kvg_serve_refuses_a_bad_scale_with_a_message_that_names_the_fix(exported, capsys, flags, message):
+    folder = exported("fox-tiny", "static")[0].path
+    assert serve_cli.main([str(folder), *flags]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("kvg-serve: error: ") and message in error

@@ -3,6 +3,7 @@ that fit in the grace period arrive whole, new requests get 503, the process exi
 the grace period with an event that says why, and stops at once on a second signal."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -49,10 +50,12 @@ def artifact(exported) -> Path:
 
 
 @contextmanager
-def kvg_serve(artifact: Path, grace: float, *flags: str, session: bool = False, hold: Path | None = None):
+def kvg_serve(artifact: Path, grace: float, *flags: str, session: bool = False, hold: Path | None = None,
+              env: dict | None = None, stderr=subprocess.PIPE):  # fmt: skip
     """kvg-serve on a free port with `grace` and `flags` (`session`: in a process group of its own, as a terminal's
-    job; `hold`: its decode steps wait while this file exists, see HELD); yields the process and its URL once
-    healthy, and kills it if the test leaves it running."""
+    job; `hold`: its decode steps wait while this file exists, see HELD; `env`: variables set for it; `stderr`: where
+    its log goes, a pipe by default); yields the process and its URL once healthy, and kills it if the test leaves
+    it running."""
     port = free_socket().getsockname()[1]
     # Free now, but until the server binds it another process may take it (another test's kvg-serve, in another
     # worker): a name of its own tells this one's answers apart, so that no signal is sent before it serves (a signal
@@ -61,13 +64,13 @@ def kvg_serve(artifact: Path, grace: float, *flags: str, session: bool = False, 
     arguments = [str(artifact), "--port", str(port), "--max-batch", str(ROWS), "--threads", "1", "--provider", "cpu",
                  "--shutdown-grace", str(grace), "--model-name", name, *flags]  # fmt: skip
     command = [sys.executable, *(["-c", HELD, str(hold)] if hold else ["-m", "runtime.cli.serve"]), *arguments]
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                               start_new_session=session)  # fmt: skip
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=stderr, text=True,
+                               start_new_session=session, env={**os.environ, **(env or {})})  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
         while not serves(url, name):
-            assert process.poll() is None, process.stderr.read()
+            assert process.poll() is None, process.stderr.read() if process.stderr else "kvg-serve exited"
             assert time.monotonic() < deadline, "kvg-serve did not start"
             time.sleep(0.1)
         yield process, url
@@ -95,12 +98,14 @@ class Stream(threading.Thread):
         self.url, self.tokens, self.events, self.failure = url, tokens, [], None
         self.started = threading.Event()
         self.ended_at: float | None = None  # when its last event came
+        self.replica: str | None = None  # the Ray replica that answered (its x-kvg-replica header)
 
     def run(self) -> None:
         body = {"prompt": PROMPT, "max_tokens": self.tokens, "min_tokens": self.tokens, "temperature": 0,
                 "stream": True}  # fmt: skip
         try:
             with httpx.stream("POST", f"{self.url}/v1/completions", json=body, timeout=120) as answer:
+                self.replica = answer.headers.get("x-kvg-replica")
                 for line in answer.iter_lines():
                     if line.startswith("data: "):
                         self.events.append(line.removeprefix("data: "))
@@ -151,7 +156,7 @@ def wait_for_draining(url: str, consecutive: int = 1) -> None:
     deadline, seen = time.monotonic() + 30, 0
     while seen < consecutive:
         assert time.monotonic() < deadline, "the server did not start draining"
-        seen = seen + 1 if httpx.get(f"{url}/health", timeout=5).json() == {"status": "draining"} else 0
+        seen = seen + 1 if httpx.get(f"{url}/health", timeout=5).json()["status"] == "draining" else 0
         time.sleep(0.02)
 
 

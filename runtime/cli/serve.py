@@ -13,6 +13,8 @@ from runtime.errors import ArtifactError, RequestError
 from runtime.serving.drain import DEFAULT_GRACE_S
 from runtime.speculative.proposers import add_speculative_arguments
 
+RAY_ONLY = {"--replicas": "replicas", "--autoscale": "autoscale", "--autoscale-config": "autoscale_config"}
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="kvg-serve", description=__doc__)
@@ -59,7 +61,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ray.add_argument(
         "--ray", action="store_true", help="serve from Ray replicas (RAY_ADDRESS's cluster, else a local one)"
     )
-    ray.add_argument("--replicas", type=int, default=1, help="replicas, each with its own engine and --max-batch rows")
+    ray.add_argument("--replicas", type=int, help="replicas, each with its own engine and --max-batch rows (default 1)")
+    ray.add_argument(
+        "--autoscale", metavar="MIN:MAX",
+        help="instead of --replicas: from MIN to MAX replicas as the load asks (Ray Serve's autoscaling, aiming at "
+        "--max-batch requests in flight a replica)",
+    )  # fmt: skip
+    ray.add_argument(
+        "--autoscale-config", metavar="JSON",
+        help="other fields of Ray Serve's autoscaling_config for --autoscale, e.g. "
+        "'{\"upscale_delay_s\": 10, \"downscale_delay_s\": 120}' (default: Ray Serve's: 30 and 600)",
+    )  # fmt: skip
     ray.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves for each replica")
     return parser.parse_args(argv)
 
@@ -75,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.ray:
             from runtime.serving.ray_app import serve_forever
+            from runtime.serving.ray_scaling import scaling
     except ImportError as missing:
         print(f"kvg-serve: error: {missing.name} is not installed: pip install 'kvg-export[{extra}]'", file=sys.stderr)
         return 2
@@ -84,12 +97,15 @@ def main(argv: list[str] | None = None) -> int:
                            args.lookup_ngram, args.lookup_min_ngram, args.speculative_max_rows)  # fmt: skip
     try:
         options.check()
-        if args.replicas < 1 or args.replica_cpus < 0:
-            raise RequestError("--replicas must be >= 1 and --replica-cpus >= 0")
+        if args.replica_cpus < 0:
+            raise RequestError("--replica-cpus must be >= 0")
         if args.ray:
-            print(f"kvg-serve: {serve_forever(options, args.replicas, args.replica_cpus, args.host, args.port)}",
+            scale = scaling(args.replicas, args.autoscale, args.autoscale_config, args.max_batch)
+            print(f"kvg-serve: {serve_forever(options, scale, args.replica_cpus, args.host, args.port)}",
                   file=sys.stderr)  # fmt: skip
             return 0
+        if given := [flag for flag, value in RAY_ONLY.items() if getattr(args, value) is not None]:
+            raise RequestError(f"{', '.join(given)}: Ray replicas only; add --ray")
         app = open_app(options)
     except (ArtifactError, RequestError) as error:
         print(f"kvg-serve: error: {error}", file=sys.stderr)
