@@ -5,7 +5,8 @@ environments, run from a folder outside the checkout with no C++ compiler on PAT
 - the build prints no warning, and the wheel is tagged for this platform and carries the presets, the lm-eval
   tasks and the fused operator prebuilt for x86-64 and x86-64-v3 (AVX registers in the second only);
 - `kvg-export fox-py` in an environment with the `export` extra exports with fused attention from the bundled
-  library (the artifact's copy is byte for byte the wheel's for this CPU; nothing compiled);
+  library (the artifact's copy is byte for byte the wheel's for this CPU, and it carries the wheel's others for this
+  machine, named by platform in its manifest, for the runtime to take on a CPU of another level; nothing compiled);
 - `kvg-generate` prints what the README shows;
 - the runtime-only install (no extras: no torch or transformers installed) runs that artifact with kvg-generate
   to the same text, and with the `serve` extra added kvg-serve answers one completion with the same greedy tokens;
@@ -120,7 +121,10 @@ def no_compiler_env(bin_folder: Path, home: Path) -> dict[str, str]:
     return env
 
 
-def export(bin_folder: Path, env: dict, work: Path, library: Path, cache: str) -> Path:
+def export(bin_folder: Path, env: dict, work: Path, libraries: dict[str, Path], cache: str) -> Path:
+    """kvg-export fox-py: fused attention through the wheel's library for this CPU, and the wheel's others for this
+    machine carried beside it, each named in the manifest by its platform."""
+    library = libraries[platform_tag()]
     out = work / f"fox-py-{cache}-fp32"
     done = run([str(bin_folder / "kvg-export"), "fox-py", "--out", out.name, "--cache", cache], env=env, cwd=work)
     print("\n".join(line for line in done.stdout.splitlines() if line.startswith(("trace", "artifact", "parity"))))
@@ -129,6 +133,10 @@ def export(bin_folder: Path, env: dict, work: Path, library: Path, cache: str) -
     check(manifest["custom_ops"]["platform"] == platform_tag(), f"its library is for {manifest['custom_ops']}")
     check((out / LIBRARY).read_bytes() == library.read_bytes(), "its library is not the wheel's prebuilt one")
     check("fused attention" not in done.stderr, "the export did not take the prebuilt library:\n" + done.stderr)
+    others = manifest["custom_ops"].get("other_platforms", {})
+    check(set(others) == set(libraries) - {platform_tag()}, f"it carries {others}, not the wheel's other libraries")
+    for tag, name in others.items():
+        check((out / name).read_bytes() == libraries[tag].read_bytes(), f"its {tag} library is not the wheel's")
     print(f"manifest: attention fused, custom_ops {manifest['custom_ops']}; the library is the wheel's, byte for byte")
     return out
 
@@ -236,7 +244,6 @@ def main() -> int:
         started = time.monotonic()
         wheel, _ = build(scratch / "dist")
         libraries = inspect(wheel, scratch)
-        library = libraries[platform_tag()]
         work = scratch / "work"  # outside the checkout: the presets and the code must come from the wheel
         work.mkdir()
         os.chdir(work)  # so too for `python -c`, which would import the checkout's packages from the checkout
@@ -246,8 +253,8 @@ def main() -> int:
         full_env = no_compiler_env(full, scratch / "home-export")
         step("kvg-export fox-py, from a folder outside the checkout, with no compiler")
         print(run([str(full / "kvg-export"), "--version"], env=full_env).stdout.strip())
-        dynamic = export(full, full_env, work, library, "dynamic")
-        static = export(full, full_env, work, library, "static")
+        dynamic = export(full, full_env, work, libraries, "dynamic")
+        static = export(full, full_env, work, libraries, "static")
         step("kvg-generate, as the README shows it")
         expected = generate(full, full_env, work, dynamic)
 

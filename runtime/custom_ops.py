@@ -2,9 +2,11 @@
 can load it.
 
 A fused artifact (kvg-export --attention fused) carries the compiled library beside model.onnx, and its manifest's
-`custom_ops` names it: the file, the op's domain and version, and the platform it was built for. Any onnxruntime
-user runs the folder by registering that file (`SessionOptions.register_custom_ops_library`); this module does so
-for the runtime, after checking the platform, so that a library that cannot load is a message, not a crash.
+`custom_ops` names it: the file, the op's domain and version, and the platform it was built for; one exported from a
+wheel's prebuilt libraries carries the others for its OS and machine too (`other_platforms`, by platform). Any
+onnxruntime user runs the folder by registering that file (`SessionOptions.register_custom_ops_library`); this
+module does so for the runtime, with the library this CPU runs best, so that a library that cannot load is a
+message, not a crash.
 """
 
 from __future__ import annotations
@@ -48,14 +50,26 @@ def can_run(tag: str) -> bool:
 
 
 def register(settings, folder: Path, entry: dict) -> None:
-    """Register the artifact's library with onnxruntime `settings`; raise ValueError naming the fix where it cannot."""
-    library = folder / entry["file"]
+    """Register the artifact's library with onnxruntime `settings`, the one of those it carries (`file`, and by
+    platform `other_platforms`, see exporters/native/library.py's companions) that this CPU runs best; raise
+    ValueError naming the fix where it cannot."""
+    carried = {entry["platform"]: entry["file"], **entry.get("other_platforms", {})}
     fix = "re-export the model on this machine (kvg-export ... --force), or export it with --attention gqa"
+    runnable = sorted((tag for tag in carried if can_run(tag)), key=_level)
+    if not runnable:
+        built = ", ".join(carried)
+        raise ValueError(f"{folder / entry['file']} was built for {built} and this machine is {platform_tag()}; {fix}")
+    library = folder / carried[runnable[-1]]
     if not library.is_file():
         raise ValueError(f"{library} is missing: the graph's {entry['domain']} attention op lives there; {fix}")
-    if not can_run(entry["platform"]):
-        raise ValueError(f"{library} was built for {entry['platform']} and this machine is {platform_tag()}; {fix}")
     try:
         settings.register_custom_ops_library(str(library))
     except Exception as error:  # onnxruntime's own exception types
         raise ValueError(f"onnxruntime cannot load {library}: {error}; {fix}") from None
+
+
+def _level(tag: str) -> int:
+    """How capable a CPU a runnable tag asks for: 0 for the baseline, then each of X86_LEVELS in order."""
+    levels = list(X86_LEVELS)
+    level = tag.removeprefix(f"{base_tag()}-")
+    return levels.index(level) + 1 if level in levels else 0

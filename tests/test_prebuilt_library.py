@@ -4,12 +4,17 @@ both. (`make wheel-check` runs the real thing: the built wheel's libraries, in a
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
 
 from exporters.native import library
+from runtime import custom_ops
+from runtime.artifact import Artifact, SessionOptions
+from runtime.contract import MANIFEST_NAME
 from runtime.custom_ops import base_tag, platform_tag
+from runtime.errors import ArtifactError
 
 
 @pytest.fixture
@@ -94,3 +99,43 @@ def test_a_wheel_built_on_x86_64_linux_carries_the_baseline_and_x86_64_v3():
         assert library.prebuilt_tags() == []
     else:
         assert library.prebuilt_tags() == ["linux-x86_64", "linux-x86_64-x86-64-v3"]
+
+
+V3 = "x86-64-v3"
+
+
+def test_an_artifact_from_an_install_names_the_installs_other_levels_libraries(install):
+    real = library.build()  # a real library: the manifest entry reads its version from it
+    for tag in (base_tag(), f"{base_tag()}-{V3}", "linux-riscv64"):
+        _carry(install, tag, real)
+    entry = library.manifest_entry(install / base_tag() / library.LIBRARY_NAME)
+    assert entry["platform"] == base_tag()
+    assert entry["other_platforms"] == {f"{base_tag()}-{V3}": f"libkvg_fox_attention.{base_tag()}-{V3}.so"}
+    assert "other_platforms" not in library.manifest_entry(real)  # a source build is for this machine alone
+
+
+@pytest.fixture
+def v3_artifact(exported, tmp_path):
+    """A fused artifact whose own library says x86-64-v3, carrying the baseline one beside it as an install's export
+    does: the same library's bytes under both names, the v3 one's file gone, so opening it proves which it took."""
+    folder = tmp_path / "artifact"
+    shutil.copytree(exported("fox-tiny", "dynamic", attention="fused")[0].path, folder)
+    manifest = json.loads((folder / MANIFEST_NAME).read_text())
+    own = manifest["custom_ops"]
+    baseline = library.companion_name(base_tag())
+    (folder / own["file"]).rename(folder / baseline)
+    own |= {"platform": f"{base_tag()}-{V3}", "other_platforms": {base_tag(): baseline}}
+    (folder / MANIFEST_NAME).write_text(json.dumps(manifest))
+    return folder
+
+
+def test_a_cpu_without_the_exporting_cpus_level_runs_the_baseline_library_the_artifact_carries(
+    v3_artifact, monkeypatch
+):
+    monkeypatch.setattr(custom_ops, "_cpu_flags", set)  # a baseline x86-64: no AVX2
+    assert Artifact.open(v3_artifact, SessionOptions(provider="cpu")).manifest["attention"] == "fused"
+    manifest = json.loads((v3_artifact / MANIFEST_NAME).read_text())
+    del manifest["custom_ops"]["other_platforms"]
+    (v3_artifact / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match=f"built for {base_tag()}-{V3} and this machine is {base_tag()}"):
+        Artifact.open(v3_artifact, SessionOptions(provider="cpu"))

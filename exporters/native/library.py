@@ -87,6 +87,22 @@ def built_for(library: Path) -> str:
     return library.parent.name if library.parent.parent == PREBUILT else platform_tag()
 
 
+def companions(library: Path) -> dict[str, Path]:
+    """The install's other prebuilt libraries for this OS and machine (its baseline and x86-64 levels), by tag, which
+    an artifact carries beside `library` so that it runs on any CPU of its kind (the runtime takes the best one the
+    CPU runs); none beside a source build, which is for this machine alone."""
+    if library.parent.parent != PREBUILT:
+        return {}
+    tags = [base_tag(), *(f"{base_tag()}-{level}" for level in X86_LEVELS)]
+    found = {tag: PREBUILT / tag / LIBRARY_NAME for tag in tags}
+    return {tag: path for tag, path in found.items() if path.is_file() and path != library}
+
+
+def companion_name(tag: str) -> str:
+    """The file a companion library for `tag` is carried in, beside the artifact's own library."""
+    return f"{Path(LIBRARY_NAME).stem}.{tag}.so"
+
+
 def _why_no_prebuilt() -> str:
     carried = sorted(path.parent.name for path in PREBUILT.glob(f"*/{LIBRARY_NAME}"))
     if not carried:
@@ -211,9 +227,11 @@ def library_version(library: Path) -> int:
 
 
 def manifest_entry(library: Path) -> dict:
-    """What a fused artifact's manifest says of the library it carries (runtime/custom_ops.py reads it)."""
+    """What a fused artifact's manifest says of the library it carries and of its companions, by platform
+    (runtime/custom_ops.py reads it)."""
+    others = {tag: companion_name(tag) for tag in companions(library)}
     return {"file": library.name, "domain": OP_DOMAIN, "op": OP_NAME, "version": library_version(library),
-            "platform": built_for(library)}  # fmt: skip
+            "platform": built_for(library)} | ({"other_platforms": others} if others else {})  # fmt: skip
 
 
 def available() -> Path | None:

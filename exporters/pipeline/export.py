@@ -25,6 +25,7 @@ from exporters.checks.cache_check import CacheCheck, check_cache
 from exporters.checks.manifest import check_graph_matches, with_results
 from exporters.checks.validate import ValidationReport, validate_onnx
 from exporters.evaluation.evaluate import EagerRun, EvalError, Evaluation, Thresholds, evaluate
+from exporters.native.library import companion_name, companions
 from exporters.pipeline.isolated import IsolatedError, named, run_isolated
 from exporters.pipeline.options import (
     ExportError,
@@ -199,8 +200,10 @@ def _build(
             shutil.copy2(checkpoint / name, staging / name)
     if tokenizer is not None:  # the runtime's, which a slow tokenizer's files are built into
         tokenizer.bpe().save(str(staging / manifest["files"]["tokenizer"]))
-    if options.library is not None:  # the fused attention operator travels with its graph
+    if options.library is not None:  # the fused attention operator travels with its graph, for each CPU level
         shutil.copy2(options.library, staging / options.library.name)
+        for tag, companion in companions(options.library).items():
+            shutil.copy2(companion, staging / companion_name(tag))
     config = json.loads((checkpoint / "config.json").read_text())
     if is_fla(config):  # the artifact is the official FoX the checkpoint maps onto, as transformers loads it
         (staging / "config.json").write_text(json.dumps(official_config(config), indent=2) + "\n")
