@@ -40,7 +40,7 @@ EVAL_FLAGS ?=
 GPU_PYTHON ?= python3
 GPU_CHECK_FLAGS ?=
 
-.PHONY: setup test wheel wheel-check lint format clean export generate serve serve-static lm-eval lm-eval-static train eval gpu-bundle gpu-check bench bench-sizes bench-long bench-serve profile
+.PHONY: setup test test-cluster wheel wheel-check lint format clean export generate serve serve-static lm-eval lm-eval-static train eval gpu-bundle gpu-check bench bench-sizes bench-long bench-serve profile
 
 setup: $(STAMP)
 
@@ -53,7 +53,11 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $@
 
 test: setup
-	$(PY) -m pytest -q -n auto --dist loadfile
+	$(PY) -m pytest -q -n auto --dist loadfile -m "not cluster"
+
+# `make test-cluster`: the tests that start a local Ray cluster of two nodes (minutes; .ci/run runs them after `make test`)
+test-cluster: setup
+	$(PY) -m pytest -q -m cluster
 
 # `make wheel`: the sdist and the platform wheel in dist/, the fused operator prebuilt into the wheel for x86-64 and
 # x86-64-v3 (docs/install.md)

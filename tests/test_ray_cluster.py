@@ -32,6 +32,8 @@ STREAMS, TOKENS = 8, 400
 START_S = 300.0  # a hang guard for what loads a model on a busy machine: a cluster, a replica, a server
 NO_TOKEN = {"RAY_AUTH_MODE": "disabled"}
 REPLICA_PREFIX = f"SERVE_REPLICA::{DEPLOYMENT}#{DEPLOYMENT}#"  # Ray Serve's name for a replica actor, then its id
+# Minutes of two Ray nodes: `make test-cluster` runs them (after `make test` in CI), so `make test` stays in budget
+pytestmark = pytest.mark.cluster
 
 
 @pytest.fixture(scope="module")
