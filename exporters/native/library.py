@@ -67,8 +67,11 @@ def _march(tag: str) -> list[str]:
 def prebuilt_tags() -> list[str]:
     """The platform tags a wheel built on this machine carries the library for: on x86-64 Linux the baseline and
     each level of X86_LEVELS, whatever this CPU has; elsewhere none (the source build serves there)."""
-    if base_tag() != "linux-x86_64":
-        return []
+    return _machine_tags() if base_tag() == "linux-x86_64" else []
+
+
+def _machine_tags() -> list[str]:
+    """This OS and machine's baseline tag, then its x86-64 levels'."""
     return [base_tag(), *(f"{base_tag()}-{level}" for level in X86_LEVELS)]
 
 
@@ -93,8 +96,7 @@ def companions(library: Path) -> dict[str, Path]:
     CPU runs); none beside a source build, which is for this machine alone."""
     if library.parent.parent != PREBUILT:
         return {}
-    tags = [base_tag(), *(f"{base_tag()}-{level}" for level in X86_LEVELS)]
-    found = {tag: PREBUILT / tag / LIBRARY_NAME for tag in tags}
+    found = {tag: PREBUILT / tag / LIBRARY_NAME for tag in _machine_tags()}
     return {tag: path for tag, path in found.items() if path.is_file() and path != library}
 
 
