@@ -40,7 +40,7 @@ EVAL_FLAGS ?=
 GPU_PYTHON ?= python3
 GPU_CHECK_FLAGS ?=
 
-.PHONY: setup test test-cluster wheel wheel-check lint format clean export generate serve serve-static lm-eval lm-eval-static train eval gpu-bundle gpu-check bench bench-sizes bench-long bench-serve profile
+.PHONY: setup test test-matrix test-cluster wheel wheel-check lint format clean export generate serve serve-static lm-eval lm-eval-static train eval gpu-bundle gpu-check bench bench-sizes bench-long bench-serve profile
 
 setup: $(STAMP)
 
@@ -53,9 +53,15 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $@
 
 test: setup
-	$(PY) -m pytest -q -n auto --dist loadfile -m "not cluster"
+	$(PY) -m pytest -q -n auto --dist loadfile -m "not cluster and not matrix"
 
-# `make test-cluster`: the tests that start a local Ray cluster of two nodes (minutes; .ci/run runs them after `make test`)
+# `make test-matrix`: the option matrix's rows, each a tiny model exported and held to eager (minutes; .ci/run runs
+# them after `make test`)
+test-matrix: setup
+	$(PY) -m pytest -q -n auto --dist load -m matrix
+
+# `make test-cluster`: the tests that start a Ray cluster, a local one or two nodes (minutes; .ci/run runs them after
+# `make test`)
 test-cluster: setup
 	$(PY) -m pytest -q -m cluster
 

@@ -1,5 +1,5 @@
 """The option matrix: which combinations of the official FoX configuration's options, the attention the CPU runs and
-the cache kind are exported and held to eager PyTorch (tests/test_option_matrix_*.py run its rows).
+the cache kind are exported and held to eager PyTorch (tests/test_option_matrix.py runs its rows).
 
 Rows are generated, deterministically: first the whole product of the options that change the graph's shape together
 (`WHOLE`: the attention choice, RoPE, the key shift and the value shift, each of which moves work into or out of the
@@ -165,9 +165,9 @@ def write_checkpoint(row: dict, folder: Path, seed: int) -> Path:
     return folder
 
 
-def rows_attending(*kinds: str) -> list:
-    """The rows that attend through `kinds`, as pytest parameters (index, row) named by `row_id`; a fused row is
-    skipped where the fused operator's library cannot be built."""
+def row_params() -> list:
+    """The rows as pytest parameters (index, row) named by `row_id`; a fused row is skipped where the fused
+    operator's library cannot be built."""
     import pytest
 
     from exporters.native.library import available
@@ -176,8 +176,8 @@ def rows_attending(*kinds: str) -> list:
     unbuilt = [skip] if available() is None else []  # asked once: it may try a build
     return [
         pytest.param(index, row, id=f"{index}-{row_id(row)}", marks=unbuilt if row["attention"] == "fused" else [])
-        for index, row in enumerate(ROWS) if row["attention"] in kinds
-    ]  # fmt: skip
+        for index, row in enumerate(ROWS)
+    ]
 
 
 def check_row(row: dict, folder: Path, seed: int, asked: str | None = None) -> None:

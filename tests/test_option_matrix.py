@@ -1,17 +1,18 @@
-"""The option matrix's rows (tests/option_matrix.py) that attend through fused or gqa, each exported from
-a tiny random checkpoint and held to eager PyTorch; the matrix is split in two modules so that two workers share
-it."""
+"""The option matrix's rows (tests/option_matrix.py), each exported from a tiny random checkpoint and held to eager
+PyTorch. The rows carry the `matrix` marker: `make test-matrix` runs them (about 6 minutes of one core's time here,
+which CI spends after `make test`); the tests below them run in `make test`."""
 
 import itertools
 
 import pytest
 from conftest import CPU_FP32_ATTENTION
-from option_matrix import OPTIONS, ROWS, WHOLE, check_row, config_of, rows_attending, write_checkpoint
+from option_matrix import OPTIONS, ROWS, WHOLE, check_row, config_of, row_params, write_checkpoint
 
 from exporters.native.library import available
 
 
-@pytest.mark.parametrize(("index", "row"), rows_attending("fused", "gqa"))
+@pytest.mark.matrix
+@pytest.mark.parametrize(("index", "row"), row_params())
 def test_the_row_exports_and_generates_what_eager_generates(tmp_path, index, row):
     check_row(row, tmp_path, seed=index)
 
