@@ -24,6 +24,14 @@ def _ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"--ids takes comma-separated integers, got {text!r}") from None
 
 
+def _bias(text: str) -> tuple[int, float]:
+    token, _, bias = text.partition("=")
+    try:
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--logit-bias takes ID=BIAS, e.g. 50256=-100, got {text!r}") from None
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="kvg-generate", description=__doc__)
     parser.add_argument("artifact", help="a folder made by kvg-export")
@@ -39,6 +47,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]")
+    parser.add_argument("--logit-bias", action="append", type=_bias, default=[], metavar="ID=BIAS",
+                        help="add BIAS in [-100, 100] to token ID's logit, -100 bans it (repeat for each)")  # fmt: skip
     parser.add_argument("--seed", type=int)
     parser.add_argument("--stream", action="store_true", help="print tokens as they are produced")
     add_speculative_arguments(parser)
@@ -91,7 +103,10 @@ def _acceptance(result) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.repetition_penalty, args.seed)
+    sampling = SamplingConfig(
+        args.temperature, args.top_k, args.top_p, args.repetition_penalty, args.seed, args.presence_penalty,
+        args.frequency_penalty, tuple(dict(args.logit_bias).items()),
+    )  # fmt: skip
     try:
         options = SessionOptions(args.provider, args.threads)
         generator = Generator.open(args.artifact, options, getattr(args, "log_pruning_tolerance", AS_EXPORTED))

@@ -372,7 +372,8 @@ class Engine:
             token = int(chosen[0])
             scored = None
             if request.logprobs is not None:
-                scored = chosen_logprob(logits, token, config.sampling, request.logprobs, search.context, banned)
+                scored = chosen_logprob(logits, token, config.sampling, request.logprobs, search.context, banned,
+                                        search.generated)  # fmt: skip
         except Exception as error:  # a fault in one request's sampling fails that request only
             self._free(index)
             request.send(Failed(f"sampling failed: {error}"))

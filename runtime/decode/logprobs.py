@@ -1,10 +1,11 @@
 """Log-probabilities of chosen and prompt tokens, as OpenAI's legacy completions API reports them.
 
 They are taken from the distribution a token is drawn from: the step's logits in float32 after the sampling
-processors that change it (a min_tokens ban, the repetition penalty, and when sampling temperature, top-k and
-top-p), what vLLM documents as `processed_logprobs`. Greedy decoding applies no temperature, so there they are the
-model's own log-softmax. A prompt token was not sampled, but is scored the same way from the logits before it,
-with the prompt before it as the repetition penalty's context.
+processors that change it (a min_tokens ban, the logit bias, the repetition, presence and frequency penalties, and
+when sampling temperature, top-k and top-p), what vLLM documents as `processed_logprobs`. Greedy decoding applies no
+temperature, so there they are the model's own log-softmax (where nothing else changed them). A prompt token was
+not sampled, but is scored the same way from the logits before it, with the prompt before it as the repetition
+penalty's context (the presence and frequency penalties count generated tokens, so none yet).
 """
 
 from __future__ import annotations
@@ -40,9 +41,10 @@ def scored(logprobs: np.ndarray, tokens: np.ndarray, top: int) -> list[TokenLogp
 def chosen_logprob(
     logits: np.ndarray, token: int, sampling: SamplingConfig, top: int,
     context: list[np.ndarray] | None = None, banned: np.ndarray | None = None,
+    generated: list[list[int]] | None = None,
 ) -> TokenLogprob:  # fmt: skip
     """A generated token's entry from its step's logits `[1, vocab]`, processed as the Sampler processed them."""
-    logprobs = softmax(filtered_logits(logits, sampling, context, banned), np.float32, log=True)
+    logprobs = softmax(filtered_logits(logits, sampling, context, banned, generated), np.float32, log=True)
     return scored(logprobs, np.array([token]), top)[0]
 
 

@@ -90,7 +90,7 @@ class Model:
                 "shorten them or re-export with a larger --max-cache-len",
                 "prompt",
             )
-        config.sampling.validate()
+        config.sampling.validate(vocab)
         if config.speculative is not None:
             config.speculative.check(self, prompts, config)
             self.check_runs_of_tokens(len(prompts))

@@ -1,7 +1,7 @@
 """A request's search: how each next token is chosen and when a row ends (onnxruntime-genai's Search is the model).
 
 The Generator runs one Search over its batch and the engine one per request, so sampling, the repetition
-penalty's context, the stop tokens banned before min_new_tokens and the end test are written once. Rows advance
+penalties' histories, the stop tokens banned before min_new_tokens and the end test are written once. Rows advance
 together: every running row takes one token a step, and a row that has ended is given padding. With speculation,
 the search also keeps each row's drafter, proposes the tokens a run verifies, and judges them as it chooses.
 """
@@ -64,6 +64,7 @@ class Search:
         penalised = config.sampling.repetition_penalty != 1.0
         self.context = [np.array(p, dtype=np.int64) for p in prompts] if penalised else None  # the penalty's
         self.tokens: list[list[int]] = [[] for _ in prompts]
+        self.generated = self.tokens if config.sampling.counts_generated else None  # the penalties' history
         self.reasons: list[str | None] = [None] * len(prompts)  # "stop" or "length" once a row has ended
         self.ended = np.zeros(len(prompts), dtype=bool)
         self.finished = 0  # how many rows have ended: a count each step tests more cheaply than `ended`
@@ -95,9 +96,10 @@ class Search:
             logits = self._constrained(logits)
         if index < len(self.drawn_from):
             drafts = self.latest[:, index]
-            chosen = self.sampler.verify(logits, drafts, self.drawn_from[index][None], self.context, self.banned)
+            drawn_from = self.drawn_from[index][None]
+            chosen = self.sampler.verify(logits, drafts, drawn_from, self.context, self.banned, self.generated)
         else:
-            chosen = self.sampler.choose(logits, self.context, self.banned)
+            chosen = self.sampler.choose(logits, self.context, self.banned, self.generated)
         return np.where(self.ended, self.pad, chosen) if self.finished else chosen
 
     def _constrained(self, logits: np.ndarray) -> np.ndarray:

@@ -111,11 +111,20 @@ class GenerationRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Literal[1] = 1
-    presence_penalty: Literal[0] = 0
-    frequency_penalty: Literal[0] = 0
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) to a bias in [-100, 100]
     user: str | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+
+    def token_biases(self) -> tuple[tuple[int, float], ...]:
+        """`logit_bias` keyed by token id; the ids and biases are checked against the vocabulary with the request."""
+        try:
+            return tuple((int(token), bias) for token, bias in (self.logit_bias or {}).items())
+        except ValueError:
+            raise ApiError(400, "logit_bias maps token ids (as strings, e.g. \"50256\") to biases in [-100, 100]",
+                           param="logit_bias") from None  # fmt: skip
 
     @property
     def stops(self) -> list[str]:
@@ -365,8 +374,9 @@ def generation_config(request: GenerationRequest, max_tokens: int) -> Generation
     if request.min_tokens > max_tokens:
         raise ApiError(400, "min_tokens must not exceed max_tokens", param="min_tokens")
     sampling = SamplingConfig(
-        request.temperature, request.top_k, request.top_p, request.repetition_penalty, request.seed
-    )
+        request.temperature, request.top_k, request.top_p, request.repetition_penalty, request.seed,
+        request.presence_penalty, request.frequency_penalty, request.token_biases(),
+    )  # fmt: skip
     return GenerationConfig(max_tokens, request.min_tokens, sampling=sampling, constraint=request.constraint())
 
 
