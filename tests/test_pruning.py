@@ -22,6 +22,7 @@ from runtime.decode.engine import Engine
 from runtime.decode.generator import GenerationConfig, Generator
 from runtime.decode.model import Model
 from runtime.decode.requests import Failed, Finished, Token
+from runtime.decode.sampling import SamplingConfig
 from runtime.errors import RequestError
 from runtime.speculative.draft_model import DraftModel
 
@@ -137,6 +138,21 @@ def test_a_pruned_artifact_generates_the_exact_tokens_past_its_slots(artifacts, 
         assert np.min(result.pruned_positions) > 0
         assert result.tokens == expected.tokens
         assert_within_the_bound(model, result.step_logits, expected.step_logits)
+
+
+def test_answers_forked_after_pruning_decode_on_as_rows_pruned_each_on_their_own(artifacts):
+    """A prompt longer than the static artifact's slots is pruned while it is prefilled, then forked into the rows
+    of its answers (num_return_sequences): each row's windows go with it, so the answers draw what the prompt repeated
+    in the batch draws, and drop as many positions."""
+    model, static, dynamic, _ = artifacts("fox-pro-tiny")
+    sampling = SamplingConfig(temperature=1.0, seed=3)
+    for folder in (static, dynamic):
+        generator, [prompt] = Generator.open(folder, CPU), prompts(model.config.vocab_size)
+        forked = generator.generate([prompt], GenerationConfig(max_new_tokens=40, sampling=sampling,
+                                                               num_return_sequences=2))  # fmt: skip
+        apart = generator.generate([prompt, prompt], GenerationConfig(max_new_tokens=40, sampling=sampling))
+        assert np.min(forked.pruned_positions) > 0
+        assert (forked.tokens, forked.pruned_positions) == (apart.tokens, apart.pruned_positions)
 
 
 @pytest.mark.parametrize(

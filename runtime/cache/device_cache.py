@@ -171,6 +171,20 @@ class DeviceCache:
         self._cut(end)
         return self.again
 
+    def take_rows(self, source: DeviceCache, rows: np.ndarray) -> None:
+        """Become `source` with row i holding its row `rows[i]`: a prompt prefilled once and forked into the rows of
+        its several answers (`rows` repeats it). Every slot, shift state, pruned window and the request's progress,
+        so the rows decode on as the source's would."""
+        for past, _ in self.slotted:
+            host = buffers.to_host(source.past[past], self.dtypes[past])[rows]
+            self.past[past] = buffers.from_host(np.ascontiguousarray(host), self.dtypes[past], self.device)
+        self.length = source.length
+        self.states.take_rows(source.states, rows)
+        self.window.take_state(source.window)
+        self.mask, self.live = source.mask[rows].copy(), source.live[rows].copy()
+        self.run_start, self.filled, self.again, self.lead = source.run_start, source.filled, source.again, source.lead
+        self.room, self.held, self.stale_bindings = source.room, None, True
+
     def hold(self) -> None:
         """Remember where the cache is, to come back to after several runs (a draft model's round of drafts, see
         runtime/speculative/draft_model.py): the filled positions and the shift states, which the runs overwrite."""

@@ -43,6 +43,12 @@ class PrunedWindow:
         self.dropped[:], self.offsets[:] = 0, 0
         self.offset = self.pruned_at = self.counted = 0
 
+    def take_state(self, source: PrunedWindow) -> None:
+        """Where `source` is: its thresholds, drops and offsets (written into the bound offsets in place)."""
+        self.thresholds = source.thresholds
+        self.dropped[:], self.offsets[:] = source.dropped, source.offsets
+        self.offset, self.pruned_at, self.counted = source.offset, source.pruned_at, source.counted
+
     def mask(self, mask: np.ndarray, end: int) -> np.ndarray:
         """The attention mask of positions [offset, end) `[batch, end - offset]` for the slots the buffers hold, its
         first column counting the positions dropped before it as well (`count_dropped`). The count is written into

@@ -88,6 +88,13 @@ class ShiftStates:
                 host[selected] = read[selected]
         return True
 
+    def take_rows(self, source: ShiftStates, rows: np.ndarray) -> None:
+        """The current states of `source`'s rows `rows` (one per row here), written into the buffers bound now."""
+        for past in self.current:
+            read = buffers.to_host(source.current[past], self.dtypes[past])[rows]
+            buffers.overwrite(self.current[past], np.ascontiguousarray(read), self.dtypes[past])
+        self.after_token = {}
+
     def snapshot(self) -> dict[str, np.ndarray]:
         """Copies of the current states, to `restore` after runs that go on from them."""
         return {past: buffers.to_host(value, self.dtypes[past]).copy() for past, value in self.current.items()}

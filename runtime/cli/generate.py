@@ -40,6 +40,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     prompt.add_argument("--ids", action="append", type=_ids, help="prompt token ids, e.g. 1,2,3 (repeat for a batch)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--min-new-tokens", type=int, default=0)
+    parser.add_argument("--num-return-sequences", type=int, default=1, metavar="N",
+                        help="N answers a prompt, forked from its one prefill (sample: --temperature)")  # fmt: skip
     parser.add_argument("--stop", type=_ids, default=[], help="extra stop token ids, comma-separated")
     parser.add_argument("--provider", choices=("auto", "cuda", "cpu"), default="auto")
     parser.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0: its default)")
@@ -118,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             sampling,
             speculative=speculative,
             constraint=constraint(args),
+            num_return_sequences=args.num_return_sequences,
         )
         prompts = args.prompt or args.ids
         model = generator.model
@@ -132,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             f"kvg-generate: {artifact.folder} on {device}{why}, {artifact.weights}, {describe(model.pruning)}",
             file=sys.stderr,
         )
-        if args.stream and len(prompts) == 1:
+        if args.stream and len(prompts) == 1 and args.num_return_sequences == 1:
             stream = generator.stream(prompts, config)
             while True:
                 try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -125,7 +125,7 @@ class Generator:
         """The token events of one call, then its GenerationResult; the call holds its cache until it ends (or
         its stream is closed or dropped)."""
         self.model.check_request(prompts, config)
-        with self._held_cache(len(prompts), given) as cache:
+        with self._held_cache(len(prompts) * config.num_return_sequences, given) as cache:
             return (yield from self._decode(prompts, config, keep_logits, text_events, cache))
 
     def _decode(
@@ -137,11 +137,8 @@ class Generator:
         `decode_one_token`, a DecodeStep: with none)."""
         model, artifact = self.model, self.model.artifact
         start = time.perf_counter()
-        ids, mask = left_padded(prompts, model.pad, config.max_new_tokens)
-        width = ids.shape[1]
-        cache.start(model.thresholds(width + config.max_new_tokens - 1), mask, width)
         run = SessionClock(artifact.session)
-        logits = prefill(artifact, cache, ids, config.prefill_chunk, run)
+        prompts, ids, logits = self._prefill(prompts, config, cache, run)
         prefill_s, first_token_s, step_logits = run.seconds, None, []
         search = Search(config, prompts, model.eos, model.pad, model.grammar(config.constraint))
         texts = [TextStream(model.tokenizer) for _ in prompts] if text_events and model.tokenizer else None
@@ -167,6 +164,24 @@ class Generator:
             fed = np.concatenate([fed[:, :lead], latest, drafts], axis=1) if lead or drafts.size else latest
             outputs = decode_step(fitted(cache, fed))[:, lead:]
         return self._result(search, cache, run, time.perf_counter() - start, first_token_s, prefill_s, step_logits)
+
+    def _prefill(
+        self, prompts: list[list[int]], config: GenerationConfig, cache: DeviceCache, run: SessionClock
+    ) -> tuple[list[list[int]], np.ndarray, np.ndarray]:  # fmt: skip
+        """Feed the prompts into `cache`, each once: with several answers a prompt, into a cache of a row a prompt,
+        then forked into the rows of its answers. Returns each row's prompt, its ids `[rows, width]` (left-padded)
+        and its last logits `[rows, vocab]`."""
+        model, answers = self.model, config.num_return_sequences
+        ids, mask = left_padded(prompts, model.pad, config.max_new_tokens)
+        width = ids.shape[1]
+        with nullcontext(cache) if answers == 1 else self._held_cache(len(prompts), None) as prompted:
+            prompted.start(model.thresholds(width + config.max_new_tokens - 1), mask, width)
+            logits = prefill(model.artifact, prompted, ids, config.prefill_chunk, run)
+            if answers == 1:
+                return prompts, ids, logits
+            rows = np.repeat(np.arange(len(prompts)), answers)
+            cache.take_rows(prompted, rows)
+        return [prompts[row] for row in rows], ids[rows], logits[rows]
 
     def _result(
         self, search: Search, cache: DeviceCache, run: SessionClock, wall: float, first_token_s: float,

@@ -70,9 +70,14 @@ class Model:
         vocab = self.artifact.vocab_size
         if not prompts or any(len(p) == 0 for p in prompts):
             raise RequestError("empty prompt: give at least one token per row", "prompt")
-        if len(prompts) > limits["max_batch"]:
+        if config.num_return_sequences < 1:
+            raise RequestError(f"num_return_sequences must be >= 1, got {config.num_return_sequences}")
+        rows = len(prompts) * config.num_return_sequences  # each answer decodes in a row of its own
+        if rows > limits["max_batch"]:
+            answers = f" ({len(prompts)} prompts x {config.num_return_sequences} answers)"
+            answers = answers if rows > len(prompts) else ""
             raise RequestError(
-                f"batch {len(prompts)} exceeds this artifact's max batch {limits['max_batch']}; "
+                f"batch {rows}{answers} exceeds this artifact's max batch {limits['max_batch']}; "
                 "re-export with a larger --max-batch",
                 "prompt",
             )
@@ -92,8 +97,8 @@ class Model:
             )
         config.sampling.validate(vocab)
         if config.speculative is not None:
-            config.speculative.check(self, prompts, config)
-            self.check_runs_of_tokens(len(prompts))
+            config.speculative.check(self, [p for p in prompts for _ in range(config.num_return_sequences)], config)
+            self.check_runs_of_tokens(rows)
         if config.constraint is not None:
             self.grammar(config.constraint)
             if config.min_new_tokens:

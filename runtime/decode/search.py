@@ -49,6 +49,7 @@ class GenerationConfig:
     prefill_chunk: int = 256  # prompts are prefilled in chunks of at most this many tokens (see prefill.chunk_size)
     speculative: Proposer | None = None  # how to draft the tokens a run verifies at once (None: one a run)
     constraint: Constraint | None = None  # what the text must be (runtime/structured/constraints.py; None: anything)
+    num_return_sequences: int = 1  # answers a prompt, each its own row forked from the prompt's one prefill
 
 
 class Search:
