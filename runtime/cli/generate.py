@@ -9,6 +9,7 @@ from pathlib import Path
 
 from runtime.artifact import SessionOptions, unrunnable
 from runtime.cache.pruning import AS_EXPORTED, describe, parse_tolerance
+from runtime.decode.beam_search import BeamSearch
 from runtime.decode.generator import Generator
 from runtime.decode.sampling import SamplingConfig
 from runtime.decode.search import GenerationConfig
@@ -32,6 +33,13 @@ def _bias(text: str) -> tuple[int, float]:
         raise argparse.ArgumentTypeError(f"--logit-bias takes ID=BIAS, e.g. 50256=-100, got {text!r}") from None
 
 
+def _beams(args: argparse.Namespace) -> BeamSearch | None:
+    if args.num_beams == 1:
+        return None
+    stopping = {"true": True, "false": False}.get(args.early_stopping, args.early_stopping)
+    return BeamSearch(args.num_beams, args.length_penalty, stopping)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="kvg-generate", description=__doc__)
     parser.add_argument("artifact", help="a folder made by kvg-export")
@@ -42,6 +50,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--min-new-tokens", type=int, default=0)
     parser.add_argument("--num-return-sequences", type=int, default=1, metavar="N",
                         help="N answers a prompt, forked from its one prefill (sample: --temperature)")  # fmt: skip
+    parser.add_argument("--num-beams", type=int, default=1, metavar="N",
+                        help="beam search with N beams, as transformers' generate(num_beams=N) (1: none)")  # fmt: skip
+    parser.add_argument("--length-penalty", type=float, default=1.0, help="beam search's (a finished beam scores "
+                        "its summed log-probability / length ** this)")  # fmt: skip
+    parser.add_argument("--early-stopping", choices=("true", "false", "never"), default="false",
+                        help="when beam search ends, as transformers' early_stopping")  # fmt: skip
     parser.add_argument("--stop", type=_ids, default=[], help="extra stop token ids, comma-separated")
     parser.add_argument("--provider", choices=("auto", "cuda", "cpu"), default="auto")
     parser.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0: its default)")
@@ -121,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             speculative=speculative,
             constraint=constraint(args),
             num_return_sequences=args.num_return_sequences,
+            beams=_beams(args),
         )
         prompts = args.prompt or args.ids
         model = generator.model
@@ -135,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             f"kvg-generate: {artifact.folder} on {device}{why}, {artifact.weights}, {describe(model.pruning)}",
             file=sys.stderr,
         )
-        if args.stream and len(prompts) == 1 and args.num_return_sequences == 1:
+        if args.stream and len(prompts) == 1 and args.num_return_sequences == 1 and config.beams is None:
             stream = generator.stream(prompts, config)
             while True:
                 try:

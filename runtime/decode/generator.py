@@ -19,6 +19,7 @@ import numpy as np
 from runtime.artifact import SessionOptions
 from runtime.cache.device_cache import DeviceCache
 from runtime.cache.pruning import AS_EXPORTED, Tolerance
+from runtime.decode.beam_search import Beams
 from runtime.decode.model import Model
 from runtime.decode.prefill import SessionClock, left_padded, prefill
 from runtime.decode.search import GenerationConfig, Search
@@ -125,6 +126,9 @@ class Generator:
         """The token events of one call, then its GenerationResult; the call holds its cache until it ends (or
         its stream is closed or dropped)."""
         self.model.check_request(prompts, config)
+        if config.beams is not None:
+            with self._held_cache(len(prompts) * config.beams.num_beams, given) as cache:
+                return self._beam_search(prompts, config, cache)
         with self._held_cache(len(prompts) * config.num_return_sequences, given) as cache:
             return (yield from self._decode(prompts, config, keep_logits, text_events, cache))
 
@@ -138,7 +142,7 @@ class Generator:
         model, artifact = self.model, self.model.artifact
         start = time.perf_counter()
         run = SessionClock(artifact.session)
-        prompts, ids, logits = self._prefill(prompts, config, cache, run)
+        prompts, ids, logits = self._prefill(prompts, config, cache, run, config.num_return_sequences)
         prefill_s, first_token_s, step_logits = run.seconds, None, []
         search = Search(config, prompts, model.eos, model.pad, model.grammar(config.constraint))
         texts = [TextStream(model.tokenizer) for _ in prompts] if text_events and model.tokenizer else None
@@ -165,13 +169,32 @@ class Generator:
             outputs = decode_step(fitted(cache, fed))[:, lead:]
         return self._result(search, cache, run, time.perf_counter() - start, first_token_s, prefill_s, step_logits)
 
+    def _beam_search(self, prompts: list[list[int]], config: GenerationConfig, cache: DeviceCache) -> GenerationResult:
+        """Beam search (runtime/decode/beam_search.py): each prompt prefilled once and forked into its beams' rows,
+        which are copied over one another as beams take each other's places; returns the best answers, no events."""
+        start, run = time.perf_counter(), SessionClock(self.model.artifact.session)
+        _, _, logits = self._prefill(prompts, config, cache, run, config.beams.num_beams)
+        eos = frozenset(self.model.eos) | frozenset(config.stop_tokens)
+        beams = Beams(config.beams, len(prompts), eos, config.max_new_tokens, config.min_new_tokens)
+        step, first_token_s, prefill_s = DecodeStep(self.model.artifact, cache, run), None, run.seconds
+        while True:
+            rows, tokens = beams.step(logits)
+            first_token_s = time.perf_counter() - start if first_token_s is None else first_token_s
+            if beams.over:
+                break
+            if not np.array_equal(rows, np.arange(len(rows))):
+                cache.take_rows(cache, rows)
+            logits = step(fitted(cache, tokens[:, None]))[:, 0]
+        beams.answer(config.num_return_sequences)
+        return self._result(beams, cache, run, time.perf_counter() - start, first_token_s, prefill_s, [])
+
     def _prefill(
-        self, prompts: list[list[int]], config: GenerationConfig, cache: DeviceCache, run: SessionClock
+        self, prompts: list[list[int]], config: GenerationConfig, cache: DeviceCache, run: SessionClock, answers: int
     ) -> tuple[list[list[int]], np.ndarray, np.ndarray]:  # fmt: skip
-        """Feed the prompts into `cache`, each once: with several answers a prompt, into a cache of a row a prompt,
-        then forked into the rows of its answers. Returns each row's prompt, its ids `[rows, width]` (left-padded)
-        and its last logits `[rows, vocab]`."""
-        model, answers = self.model, config.num_return_sequences
+        """Feed the prompts into `cache`, each once: with several answers (or beams) a prompt, into a cache of a row a
+        prompt, then forked into the rows of its answers. Returns each row's prompt, its ids `[rows, width]`
+        (left-padded) and its last logits `[rows, vocab]`."""
+        model = self.model
         ids, mask = left_padded(prompts, model.pad, config.max_new_tokens)
         width = ids.shape[1]
         with nullcontext(cache) if answers == 1 else self._held_cache(len(prompts), None) as prompted:
@@ -184,9 +207,10 @@ class Generator:
         return [prompts[row] for row in rows], ids[rows], logits[rows]
 
     def _result(
-        self, search: Search, cache: DeviceCache, run: SessionClock, wall: float, first_token_s: float,
+        self, search: Search | Beams, cache: DeviceCache, run: SessionClock, wall: float, first_token_s: float,
         prefill_s: float, step_logits: list[np.ndarray],
     ) -> GenerationResult:  # fmt: skip
+        """`search`: what chose the tokens, its answers in `tokens` and why each ended in `reasons`."""
         decode_tokens = sum(max(len(tokens) - 1, 0) for tokens in search.tokens)
         decode_s = wall - first_token_s
         tokenizer = self.model.tokenizer

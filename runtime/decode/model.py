@@ -72,10 +72,13 @@ class Model:
             raise RequestError("empty prompt: give at least one token per row", "prompt")
         if config.num_return_sequences < 1:
             raise RequestError(f"num_return_sequences must be >= 1, got {config.num_return_sequences}")
-        rows = len(prompts) * config.num_return_sequences  # each answer decodes in a row of its own
+        if config.beams is not None:
+            self.check_beams(config)
+        forks = config.num_return_sequences if config.beams is None else config.beams.num_beams
+        rows = len(prompts) * forks  # each answer (or beam) decodes in a row of its own
         if rows > limits["max_batch"]:
-            answers = f" ({len(prompts)} prompts x {config.num_return_sequences} answers)"
-            answers = answers if rows > len(prompts) else ""
+            kind = "answers" if config.beams is None else "beams"
+            answers = f" ({len(prompts)} prompts x {forks} {kind})" if rows > len(prompts) else ""
             raise RequestError(
                 f"batch {rows}{answers} exceeds this artifact's max batch {limits['max_batch']}; "
                 "re-export with a larger --max-batch",
@@ -97,7 +100,7 @@ class Model:
             )
         config.sampling.validate(vocab)
         if config.speculative is not None:
-            config.speculative.check(self, [p for p in prompts for _ in range(config.num_return_sequences)], config)
+            config.speculative.check(self, [p for p in prompts for _ in range(forks)], config)
             self.check_runs_of_tokens(rows)
         if config.constraint is not None:
             self.grammar(config.constraint)
@@ -105,6 +108,17 @@ class Model:
                 raise ConstraintError(
                     "min_new_tokens cannot be combined with a constraint: the constraint decides where the text ends"
                 )
+
+    def check_beams(self, config: GenerationConfig) -> None:
+        """Beam search scores every continuation by the model's own log-probabilities: refuse what would change
+        them or choose otherwise."""
+        config.beams.check(config.num_return_sequences)
+        changed = [name for name, on in (("sampling (temperature > 0)", config.sampling.temperature > 0),
+                                         ("penalties or logit_bias", not config.sampling.neutral),
+                                         ("speculative decoding", config.speculative is not None),
+                                         ("a constraint", config.constraint is not None)) if on]  # fmt: skip
+        if changed:
+            raise RequestError(f"beam search takes none of {', '.join(changed)}: drop them, or search without beams")
 
     def grammar(self, constraint: Constraint | None) -> Grammar | None:
         """The constraint compiled for this artifact's tokenizer (once; ConstraintError where it cannot be)."""

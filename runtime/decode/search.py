@@ -14,6 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
+from runtime.decode.beam_search import BeamSearch
 from runtime.decode.sampling import Sampler, SamplingConfig
 from runtime.structured.constraints import Constraint, Grammar
 
@@ -50,6 +51,7 @@ class GenerationConfig:
     speculative: Proposer | None = None  # how to draft the tokens a run verifies at once (None: one a run)
     constraint: Constraint | None = None  # what the text must be (runtime/structured/constraints.py; None: anything)
     num_return_sequences: int = 1  # answers a prompt, each its own row forked from the prompt's one prefill
+    beams: BeamSearch | None = None  # beam search (runtime/decode/beam_search.py) in place of choosing token by token
 
 
 class Search:
