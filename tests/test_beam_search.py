@@ -11,6 +11,7 @@ from kvg_export.presets import load_model
 from runtime.artifact import SessionOptions
 from runtime.cli import generate as cli
 from runtime.decode.beam_search import BeamSearch
+from runtime.decode.engine import Engine
 from runtime.decode.generator import GenerationConfig, Generator
 from runtime.decode.sampling import SamplingConfig
 from runtime.errors import RequestError
@@ -98,3 +99,10 @@ def test_kvg_generate_searches_with_beams(exported, capsys):
     config = GenerationConfig(max_new_tokens=NEW, beams=beams, num_return_sequences=2)
     want = Generator.open(folder, CPU).generate([[5, 9, 14, 3]], config)
     assert printed == "".join(f"{text}\n" for text in want.text)
+
+
+def test_the_engine_refuses_beams(exported):
+    """Its rows come and go token by token; beams are the Generator's so far."""
+    generator = Generator.open(exported("fox-tiny", "static")[0].path, CPU)
+    with pytest.raises(RequestError, match="search with beams in the Generator"):
+        Engine(generator.model, 2).check([5, 6], GenerationConfig(max_new_tokens=4, beams=BeamSearch(2)))

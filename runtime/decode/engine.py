@@ -146,8 +146,9 @@ class Engine:
         """Raise what `submit` would refuse the request for (RequestError), queueing nothing. A
         max_new_tokens of 0 prefills the prompt alone, to score it (see Request.echo)."""
         config = self._speculating(config)
-        if config.num_return_sequences != 1:
-            raise RequestError("the engine answers a request with one sequence: submit one request an answer")
+        if config.num_return_sequences != 1 or config.beams is not None:
+            raise RequestError("the engine answers a request with one sequence, chosen token by token: submit one "
+                               "request an answer, or search with beams in the Generator")  # fmt: skip
         if config.max_new_tokens == 0 and config.min_new_tokens:
             raise RequestError("min_new_tokens must be 0 when max_new_tokens is 0")
         self.model.check_request([prompt], replace(config, max_new_tokens=max(config.max_new_tokens, 1)))
