@@ -55,8 +55,8 @@ $(STAMP): pyproject.toml constraints.txt
 test: setup
 	$(PY) -m pytest -q -n auto --dist loadfile -m "not cluster and not matrix"
 
-# `make test-matrix`: the option matrix's rows, each a tiny model exported and held to eager (minutes; .ci/run runs
-# them after `make test`)
+# `make test-matrix`: the export matrices' rows (the option matrix, attention kinds and fp16 across the presets), each
+# an artifact exported and held to eager (minutes; .ci/run runs them after `make test`)
 test-matrix: setup
 	$(PY) -m pytest -q -n auto --dist load -m matrix
 

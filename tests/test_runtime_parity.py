@@ -1,5 +1,6 @@
 """The runtime generates exactly what eager PyTorch generate() does, for every preset and cache kind (trained presets
-too, whose logits are far from flat, so a flipped token would show)."""
+too, whose logits are far from flat, so a flipped token would show). The other attention kinds and fp16 across the
+presets export artifacts of their own: they carry the `matrix` marker and run in `make test-matrix`."""
 
 import json
 
@@ -45,6 +46,7 @@ def test_runtime_on_cuda_generates_what_eager_generates(exported, preset, dtype,
     check_parity(exported, preset, cache, prompt_kind, "cuda", dtype=dtype)
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("prompt_kind", PROMPTS)
 @pytest.mark.parametrize(
     ("preset", "cache", "attention"),
@@ -63,6 +65,7 @@ FP16_CASES = [("fox-tiny", "static"), ("fox-gqa-tiny", "dynamic"), ("fox-pro-tin
               ("fox-small", "static"), ("fox-py", "dynamic"), ("fox-pro-py", "static")]  # fmt: skip
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize(("preset", "cache"), FP16_CASES)
 def test_fp16_gqa_artifacts_of_every_preset_generate_what_eager_fp16_generates(exported, preset, cache):
     """fp16 exports attend through GroupQueryAttention with the FoX bias (in fp32 up to the kernel); each
