@@ -78,6 +78,14 @@ def _steps(config: GenerationConfig) -> int:
     return max(config.max_new_tokens - 1, 0)
 
 
+def _one_sequence(config: GenerationConfig) -> GenerationConfig:
+    """`config`, which must ask for one sequence chosen token by token: the engine's rows hold one answer each."""
+    if config.num_return_sequences != 1 or config.beams is not None:
+        raise RequestError("the engine answers a request with one sequence, chosen token by token: submit one "
+                           "request an answer, or search with beams in the Generator")  # fmt: skip
+    return config
+
+
 def check_servable(folder: Path, manifest: dict, max_batch: int) -> None:
     """Refuse an artifact the engine cannot batch, naming the fix."""
     if manifest["cache"]["kind"] != "static":
@@ -145,10 +153,7 @@ class Engine:
     def check(self, prompt: list[int], config: GenerationConfig) -> None:
         """Raise what `submit` would refuse the request for (RequestError), queueing nothing. A
         max_new_tokens of 0 prefills the prompt alone, to score it (see Request.echo)."""
-        config = self._speculating(config)
-        if config.num_return_sequences != 1 or config.beams is not None:
-            raise RequestError("the engine answers a request with one sequence, chosen token by token: submit one "
-                               "request an answer, or search with beams in the Generator")  # fmt: skip
+        config = _one_sequence(self._speculating(config))
         if config.max_new_tokens == 0 and config.min_new_tokens:
             raise RequestError("min_new_tokens must be 0 when max_new_tokens is 0")
         self.model.check_request([prompt], replace(config, max_new_tokens=max(config.max_new_tokens, 1)))
