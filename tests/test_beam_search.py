@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from exporters.checks.references import left_padded_tensors
 from kvg_export.presets import load_model
 from runtime.artifact import SessionOptions
 from runtime.cli import generate as cli
@@ -22,9 +23,8 @@ NEW = 12
 
 def eager_beams(model, prompts, beams: BeamSearch, answers: int, eos: list[int], min_new: int = 0):
     """transformers' beam search on the left-padded batch: each answer's tokens, up to and with its eos id."""
-    width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = (torch.arange(width) >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+    ids, mask = left_padded_tensors(prompts)
+    width = ids.shape[1]
     with torch.no_grad():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=min_new,
                              num_beams=beams.num_beams, num_return_sequences=answers, do_sample=False,

@@ -13,7 +13,7 @@ from scripted_drafts import Scripted
 from test_serve import MODEL, serving
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from exporters.checks.references import eager_generate
+from exporters.checks.references import eager_generate, left_padded_tensors
 from kvg_export.presets import load_model
 from runtime.artifact import SessionOptions
 from runtime.decode.generator import GenerationConfig, Generator
@@ -98,9 +98,8 @@ class OpenAIPenalties(LogitsProcessor):
 
 def eager_tokens(model, prompts: list[list[int]], config: SamplingConfig) -> list[list[int]]:
     """transformers' greedy generate() on the left-padded batch, the adjustment as a logits processor."""
-    width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = (torch.arange(width) >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+    ids, mask = left_padded_tensors(prompts)
+    width = ids.shape[1]
     processors = LogitsProcessorList([OpenAIPenalties(config, width)])
     with torch.no_grad():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,

@@ -193,14 +193,21 @@ def _staggered_runs(
     return runs
 
 
-def eager_generate(model: FoxForCausalLM, prompts: list[list[int]], new_tokens: int):
-    """transformers' generate() on a left-padded batch, greedy, on the model's device: the new tokens and the
-    logits of each step `[batch, vocab]` (float32, on the host), what `validate.greedy_disagreement` compares."""
+def left_padded_tensors(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompts left-padded with 0 into ids `[batch, width]`, and their attention mask."""
     width = max(map(len, prompts))
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for row, prompt in enumerate(prompts):
         ids[row, width - len(prompt) :], mask[row, width - len(prompt) :] = torch.tensor(prompt), 1
+    return ids, mask
+
+
+def eager_generate(model: FoxForCausalLM, prompts: list[list[int]], new_tokens: int):
+    """transformers' generate() on a left-padded batch, greedy, on the model's device: the new tokens and the
+    logits of each step `[batch, vocab]` (float32, on the host), what `validate.greedy_disagreement` compares."""
+    ids, mask = left_padded_tensors(prompts)
+    width = ids.shape[1]
     with torch.no_grad():
         out = model.generate(
             ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=new_tokens,
