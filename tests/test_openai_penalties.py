@@ -55,7 +55,8 @@ def test_the_penalties_and_the_bias_are_openais_formula():
         want = openai_formula(logits, generated, config)
         np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want), err_msg=f"case {case}")
         finite = np.isfinite(want)
-        np.testing.assert_allclose(got[finite], want[finite], rtol=1e-6, atol=1e-5, err_msg=f"case {case}")
+        # float32's few roundings (eps 1.2e-7) of a bias and two penalties, against the float64 formula
+        np.testing.assert_allclose(got[finite], want[finite], rtol=4e-7, atol=4e-7, err_msg=f"case {case}")
         np.testing.assert_array_equal(Sampler(config).choose(logits, generated=generated), want.argmax(-1))
 
 
