@@ -174,16 +174,23 @@ class DeviceCache:
     def take_rows(self, source: DeviceCache, rows: np.ndarray) -> None:
         """Become `source` with row i holding its row `rows[i]`: a prompt prefilled once and forked into the rows of
         its several answers (`rows` repeats it). Every slot, shift state, pruned window and the request's progress,
-        so the rows decode on as the source's would."""
+        so the rows decode on as the source's would. A buffer of the same shape (beams reordered within a cache) is
+        written over where it lies, its bindings kept; another is replaced."""
+        replaced = False
         for past, _ in self.slotted:
-            host = buffers.to_host(source.past[past], self.dtypes[past])[rows]
-            self.past[past] = buffers.from_host(np.ascontiguousarray(host), self.dtypes[past], self.device)
+            host = np.ascontiguousarray(buffers.to_host(source.past[past], self.dtypes[past])[rows])
+            held = self.past.get(past)
+            if held is not None and held.shape() == list(host.shape):
+                buffers.overwrite(held, host, self.dtypes[past])
+            else:
+                self.past[past], replaced = buffers.from_host(host, self.dtypes[past], self.device), True
         self.length = source.length
         self.states.take_rows(source.states, rows)
         self.window.take_state(source.window)
         self.mask, self.live = source.mask[rows].copy(), source.live[rows].copy()
         self.run_start, self.filled, self.again, self.lead = source.run_start, source.filled, source.again, source.lead
-        self.room, self.held, self.stale_bindings = source.room, None, True
+        self.room, self.held = source.room, None
+        self.stale_bindings |= replaced or source is not self  # another cache's windows may fold other layers
 
     def hold(self) -> None:
         """Remember where the cache is, to come back to after several runs (a draft model's round of drafts, see
